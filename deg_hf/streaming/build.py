@@ -1,0 +1,164 @@
+"""Build a streamed causal LM from a checkpoint without materialising its decoder weights.
+
+The skeleton is created with accelerate's ``init_empty_weights`` (parameters on ``meta``; buffers
+such as rotary frequencies computed for real). Everything outside the decoder layers (embeddings,
+final norm, LM head) is loaded resident on the device; the decoder layers' weights go into the one
+:class:`~deg_hf.streaming.store.WeightStore` and the layers are attached to a
+:class:`~deg_hf.streaming.runtime.StreamRuntime`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deg_hf.streaming.layer import attach, store_name
+from deg_hf.streaming.runtime import StreamRuntime
+from deg_hf.streaming.store import StreamingError, WeightStore, resolve_checkpoint, safetensors_files
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def checkpoint_dtype(config) -> torch.dtype | None:
+    """The floating dtype a checkpoint declares (``dtype``/``torch_dtype`` in config.json)."""
+    dtype = getattr(_text_config(config), "dtype", None) or getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder's layer list, found as accelerate finds no-split modules: the longest
+    ``ModuleList`` whose entries are all of the model's ``_no_split_modules`` classes (falling back
+    to a ``ModuleList`` as long as the config's layer count)."""
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    chosen = [(n, m) for n, m in lists if no_split and all(type(x).__name__ in no_split for x in m)]
+    if not chosen:
+        n_layers = _text_config(model.config).__dict__.get("num_hidden_layers")
+        chosen = [(n, m) for n, m in lists if n_layers and len(m) == n_layers]
+    if not chosen:
+        raise StreamingError(
+            f"cannot find the decoder layer list of {type(model).__name__}: no ModuleList of its "
+            f"no-split modules ({sorted(no_split) or 'none declared'}). This architecture cannot be "
+            "streamed; pass stream_layers=False to train it resident."
+        )
+    chosen.sort(key=lambda nm: (-len(nm[1]), len(nm[0])))
+    return chosen[0]
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def build_streamed_model(
+    name_or_path: str,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    stream_buffers: int = 2,
+    cache_dir: str | None = None,
+    attn_implementation: str | None = None,
+    revision: str | None = None,
+    progress: bool = True,
+):
+    """Return ``(model, runtime)``: a causal LM whose decoder layers stream from host memory."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if stream_buffers < 1:
+        raise ValueError(f"stream_buffers must be >= 1 (one layer on the device at a time), got {stream_buffers}")
+    local = resolve_checkpoint(name_or_path, revision)
+    device = torch.device(device) if device is not None else default_device()
+    config = AutoConfig.from_pretrained(local)
+    dtype = dtype or checkpoint_dtype(config) or default_dtype(device)
+    if getattr(config, "quantization_config", None):
+        raise StreamingError(
+            f"{name_or_path!r} is a pre-quantized checkpoint ({config.quantization_config.get('quant_method')}); "
+            "layer streaming needs floating-point safetensors weights. Use the unquantized base model."
+        )
+    kwargs = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    model.name_or_path = name_or_path
+    prefix, layers = find_decoder_layers(model)
+    _load_resident(model, local, prefix, device, dtype)
+    layer_keys = [
+        {store_name(n): f"{prefix}.{i}.{n}" for n, _ in layer.named_parameters()} for i, layer in enumerate(layers)
+    ]
+    store = WeightStore(local, layer_keys, dtype, cache_dir=cache_dir, progress=progress)
+    runtime = StreamRuntime(store, device, stream_buffers)
+    for i, layer in enumerate(layers):
+        attach(layer, i, runtime)
+    model.to(device)  # buffers and resident weights; streamed layers keep their meta parameters
+    model._deg_stream_runtime = runtime
+    model._deg_layers_prefix = prefix
+    return model, runtime
+
+
+def _load_resident(model: nn.Module, directory: str, prefix: str, device, dtype) -> None:
+    """Load every parameter and persistent buffer outside the decoder layers onto ``device``."""
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+
+    wanted = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    wanted |= {n for n, _ in model.named_buffers() if n in model.state_dict()}
+    wanted = {n for n in wanted if not n.startswith(prefix + ".")}
+    found = set()
+    for path in safetensors_files(directory):
+        with safe_open(path, framework="pt") as fh:
+            for key in fh.keys():
+                if key in wanted:
+                    tensor = fh.get_tensor(key)
+                    value_dtype = dtype if tensor.is_floating_point() else None
+                    set_module_tensor_to_device(model, key, device, value=tensor, dtype=value_dtype)
+                    found.add(key)
+    model.tie_weights()
+    still_meta = sorted(n for n, p in model.named_parameters() if p.is_meta and not n.startswith(prefix + "."))
+    if still_meta:
+        raise StreamingError(
+            f"the checkpoint in {directory!r} lacks weights outside the decoder layers: {still_meta[:4]}. "
+            "Its tensor names do not match the model's; re-save it with a current transformers."
+        )
+    for _, p in model.named_parameters():
+        if not p.is_meta:
+            p.requires_grad_(False)
+
+
+def materialize_adapters(model: nn.Module, device: torch.device | str) -> int:
+    """Give PEFT adapter parameters created on ``meta`` (they follow the base layer's device) real
+    storage on ``device`` and initialise them with PEFT's own initialiser. Returns the number of
+    parameters materialised."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        metas = [n for n, p in module.named_parameters() if p.is_meta and "base_layer" not in n]
+        if not metas:
+            continue
+        for attr in module.adapter_layer_names:
+            container = getattr(module, attr, None)
+            if container is None:
+                continue
+            container.to_empty(device=device, recurse=True)
+        for adapter in list(getattr(module, "r", {}).keys()):
+            init = True
+            peft_config = getattr(model, "peft_config", None)
+            if isinstance(peft_config, dict) and adapter in peft_config:
+                init = peft_config[adapter].init_lora_weights
+            module.reset_lora_parameters(adapter, init)
+        count += len(metas)
+    return count

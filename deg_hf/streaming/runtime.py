@@ -1,0 +1,154 @@
+"""Device buffers and layer fetches: the moving part of layer streaming.
+
+The runtime owns ``n_buffers`` flat device buffers, each as large as the largest layer. Layer ``i``
+always lands in buffer ``i % n_buffers``; a buffer that already holds the requested layer is reused
+without a copy (the last layer of a forward is the first of the backward recompute, and the first
+layer of a backward is the first of the next forward).
+
+On CUDA the next layer in the direction of travel is prefetched on a side stream: forward passes
+walk up, backward recomputes walk down. Events order the copy after the compute that last read the
+buffer, and the compute after the copy that fills it. On CPU the copies are plain ``copy_`` calls.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from deg_hf.streaming.store import WeightStore
+
+
+class RuntimeClosed(RuntimeError):
+    pass
+
+
+class StreamRuntime:
+    def __init__(self, store: WeightStore, device: torch.device | str, n_buffers: int = 2):
+        if n_buffers < 1:
+            raise ValueError(f"stream_buffers must be >= 1, got {n_buffers}")
+        self.store = store
+        self.device = torch.device(device)
+        self.n_buffers = n_buffers
+        self.n_layers = store.n_layers
+        self._cuda = self.device.type == "cuda"
+        self.buffers = [
+            torch.empty(store.max_layer_bytes, dtype=torch.uint8, device=self.device) for _ in range(n_buffers)
+        ]
+        self._holds: list[int | None] = [None] * n_buffers  # layer index each buffer holds
+        self._ready: list = [None] * n_buffers  # CUDA event: copy into buffer finished
+        self._released: list = [None] * n_buffers  # CUDA event: compute done with buffer's last layer
+        self._copy_stream = torch.cuda.Stream(device=self.device) if self._cuda else None
+        self._last: int | None = None
+        self.closed = False
+        self.reset_stats()
+        self._finalizer = weakref.finalize(self, _release, self.buffers, store)
+
+    # ------------------------------------------------------------------ stats
+    def reset_stats(self) -> None:
+        self.loads = 0  # layer copies host -> device
+        self.hits = 0  # fetches served by a buffer that already held the layer
+        self.bytes_moved = 0
+        self.wait_s = 0.0  # CUDA: time the compute stream waited for a copy (measured, synchronising)
+        self._in_flight_peak = 0
+
+    def stats(self) -> dict:
+        buffer_bytes = sum(b.numel() for b in self.buffers)
+        return {
+            "n_layers": self.n_layers,
+            "n_buffers": self.n_buffers,
+            "store_bytes": self.store.nbytes if not self.closed else 0,
+            "store_pinned": self.store.pinned,
+            "buffer_bytes": buffer_bytes,
+            "loads": self.loads,
+            "hits": self.hits,
+            "bytes_moved": self.bytes_moved,
+            "device_bytes": buffer_bytes if not self.closed else 0,
+            "device_bytes_peak": self.n_buffers * self.store.max_layer_bytes,
+            "in_flight_peak": self._in_flight_peak,
+            "fetch_wait_s": round(self.wait_s, 6),
+            "closed": self.closed,
+        }
+
+    # ------------------------------------------------------------------ fetch
+    def fetch(self, i: int) -> dict[str, torch.Tensor]:
+        """Views of layer ``i``'s weights on the device, valid until the buffer is reused."""
+        if self.closed:
+            raise RuntimeClosed("the streaming runtime is closed; build a new trainer to train again")
+        slot = i % self.n_buffers
+        if self._cuda:
+            # everything enqueued so far belongs to earlier layers: once the compute stream reaches
+            # this point, no buffer but the one being fetched is read any more
+            released = torch.cuda.Event()
+            released.record(torch.cuda.current_stream(self.device))
+            for s in range(self.n_buffers):
+                if s != slot:
+                    self._released[s] = released
+        if self._holds[slot] == i:
+            self.hits += 1
+        else:
+            self._copy(i, slot)
+        if self._cuda:
+            t0 = time.perf_counter()
+            torch.cuda.current_stream(self.device).wait_event(self._ready[slot])
+            self.wait_s += time.perf_counter() - t0
+            self._prefetch(self._next(i))
+        self._in_flight_peak = max(self._in_flight_peak, sum(h is not None for h in self._holds))
+        self._last = i
+        return self.store.layouts[i].views(self.buffers[slot])
+
+    def _next(self, i: int) -> int | None:
+        if self.n_buffers < 2:
+            return None
+        if i == 0:
+            step = 1
+        elif i == self.n_layers - 1:
+            step = -1
+        else:
+            step = 1 if self._last is None or i > self._last else -1
+        nxt = i + step
+        return nxt if 0 <= nxt < self.n_layers else None
+
+    def _prefetch(self, j: int | None) -> None:
+        if j is None or self._holds[j % self.n_buffers] == j:
+            return
+        self._copy(j, j % self.n_buffers)
+
+    def _copy(self, i: int, slot: int) -> None:
+        src = self.store.flat[i]
+        dst = self.buffers[slot][: src.numel()]
+        if self._cuda:
+            stream = self._copy_stream
+            if self._released[slot] is not None:
+                stream.wait_event(self._released[slot])
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=self.store.pinned)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+            self._ready[slot] = ready
+        else:
+            dst.copy_(src)
+        self._holds[slot] = i
+        self.loads += 1
+        self.bytes_moved += src.numel()
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Free the device buffers and the host store. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        self._finalizer()
+        self.buffers = []
+        self._holds = [None] * self.n_buffers
+        self._ready = [None] * self.n_buffers
+        self._released = [None] * self.n_buffers
+        self._copy_stream = None
+
+
+def _release(buffers: list, store: WeightStore) -> None:
+    buffers.clear()
+    store.close()
