@@ -25,6 +25,8 @@ from torch.utils.checkpoint import checkpoint
 
 from deg_hf.streaming.runtime import StreamRuntime
 
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
 _state = threading.local()  # .inside: the layer's own forward is running under functional_call
 
 
@@ -58,6 +60,13 @@ class LayerStream:
             finally:
                 layer.gradient_checkpointing = previous
         if torch.is_grad_enabled():
+            # a KV cache would be written twice (forward and recompute), as in transformers' own
+            # checkpointed layers: training does not use it
+            for key in _CACHE_KWARGS:
+                if kwargs.get(key) is not None:
+                    kwargs[key] = None
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
             return checkpoint(self._fetch_and_run, *args, use_reentrant=False, **kwargs)
         return self._fetch_and_run(*args, **kwargs)
 

@@ -1,0 +1,430 @@
+"""Model cards and pushing checkpoints to the Hugging Face Hub.
+
+``push_checkpoint`` uploads a deliberately short list of files from a checkpoint directory: the
+adapter, the tokenizer, ``deg.json``, a ``README.md`` model card written from it and the training
+log; optimizer, scheduler and RNG state only on request; ``training_args.bin`` (a pickle of the
+arguments, Hub token included) never. Everything is checked before the first remote call: the repo
+id, the record, the adapter weights, and that no file to upload holds a Hub token or a local path.
+
+huggingface_hub is imported inside the functions, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from deg_hf.checkpoint import (
+    ADAPTER_WEIGHT_FILES,
+    DEG_JSON,
+    LOCAL_PREFIX,
+    TOKENIZER_FILES,
+    DegJsonError,
+    check_checkpoint,
+    memory_target_text,
+    memory_totals,
+    read_deg_json,
+    redact,
+    skipped_ids,
+    stream_enabled,
+    stream_layer_fetches,
+    train_highlights,
+)
+
+__all__ = [
+    "UPLOAD_FILES",
+    "OPTIMIZER_FILES",
+    "NEVER_UPLOAD",
+    "model_card",
+    "write_model_card",
+    "select_upload_files",
+    "scan_for_secrets",
+    "push_checkpoint",
+]
+
+README = "README.md"
+TRAIN_LOG = "train.log.jsonl"
+#: files uploaded when present (exact names, top level of the checkpoint directory)
+UPLOAD_FILES = (
+    *ADAPTER_WEIGHT_FILES,
+    "adapter_config.json",
+    *TOKENIZER_FILES,
+    DEG_JSON,
+    README,
+    TRAIN_LOG,
+)
+#: uploaded only with ``include_optimizer=True`` (names or glob patterns)
+OPTIMIZER_FILES = ("optimizer.pt", "scheduler.pt", "rng_state*.pth", "trainer_state.json")
+#: never uploaded, whatever the other lists say
+NEVER_UPLOAD = ("training_args.bin",)
+
+_TEMPLATE = "model_card_template.md"
+_HF_TOKEN_BYTES_RE = re.compile(rb"hf_[A-Za-z0-9]{30,}")
+# metadata files whose string values are checked for local paths that exist on this machine
+_PATH_CHECKED_JSON = ("adapter_config.json", DEG_JSON, "trainer_state.json")
+_DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow", ".txt", ".tsv", ".gz", ".zst")
+_TASK_DESCRIPTIONS = {
+    "sft": "supervised fine-tuning",
+    "dpo": "Direct Preference Optimization",
+    "kto": "Kahneman-Tversky Optimization",
+    "orpo": "Odds Ratio Preference Optimization",
+    "simpo": "Simple Preference Optimization",
+}
+_CHUNK = 8 * 1024 * 1024
+
+
+# ----------------------------------------------------------------------------------------------------
+# model card
+# ----------------------------------------------------------------------------------------------------
+
+
+def _hub_id(name: Any, *, data: bool = False) -> str | None:
+    """``name`` when it reads as a Hub repo id (not a redacted or existing local path), else None."""
+    if not isinstance(name, str) or not name or name.startswith((LOCAL_PREFIX.rstrip("/"), ".", "/", "~")):
+        return None
+    if os.path.exists(name) or "\\" in name:
+        return None
+    if data and name.lower().endswith(_DATA_FILE_SUFFIXES):
+        return None
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return name
+
+
+def _cell(value: Any) -> str:
+    """A value as one markdown table cell."""
+    if isinstance(value, float):
+        text = f"{value:.6g}"
+    elif isinstance(value, (list, dict)):
+        text = json.dumps(value, ensure_ascii=False)
+    else:
+        text = str(value)
+    text = text.replace("\n", " ").replace("|", "\\|")
+    return f"`{text}`" if text.strip() == "" else text
+
+
+def _template_path() -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("deg_hf").joinpath(_TEMPLATE)))
+
+
+def model_card(
+    record: Mapping[str, Any],
+    *,
+    repo_id: str | None = None,
+    license: str | None = None,
+    tokenizer_in_repo: bool = True,
+):
+    """A ``huggingface_hub.ModelCard`` describing the checkpoint recorded in ``record``.
+
+    The metadata names the base model (when it is a Hub id), ``library_name: peft``, the
+    ``text-generation`` pipeline, tags (``deg-hf``, the task, the adapter type, ``peft``, ``trl``) and
+    the dataset (when it is a Hub id). ``tokenizer_in_repo`` says whether the load snippet takes the
+    tokenizer from the adapter repo or from the base model.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    record = redact(dict(record))
+    task = str(record.get("task", "sft"))
+    base = record.get("base_model") or {}
+    base_name = str(base.get("name_or_path"))
+    base_id = _hub_id(base_name)
+    peft = record.get("peft") or {}
+    peft_type = str(peft.get("type") or "LORA")
+    data = record.get("data") or {}
+    data_name = data.get("name_or_path") or data.get("name")
+    data_id = _hub_id(data_name, data=True)
+
+    tags = ["deg-hf", task, peft_type.lower(), "peft", "trl"]
+    card_data = ModelCardData(
+        base_model=base_id,
+        library_name="peft",
+        pipeline_tag="text-generation",
+        tags=list(dict.fromkeys(tags)),
+        datasets=[data_id] if data_id else None,
+        license=license,
+    )
+
+    targets = peft.get("target_modules")
+    if isinstance(targets, list):
+        targets = ", ".join(f"`{t}`" for t in targets)
+    args = record.get("train_args") or {}
+    train_rows = [(label, _cell(value)) for label, value in train_highlights(args)]
+    if not train_rows:
+        train_rows = [("(none recorded)", "")]
+
+    memory = record.get("memory") or {}
+    memory_rows: list[tuple[str, str]] = []
+    if memory:
+        target = memory_target_text(memory)
+        if target:
+            memory_rows.append(("Memory target", _cell(target)))
+        if memory.get("scale") is not None:
+            memory_rows.append(("Plan scale", _cell(memory["scale"])))
+        totals = memory_totals(memory)
+        for key, label in (
+            ("parts", "Micro-batch parts run"),
+            ("oom_retry", "Out-of-memory retries"),
+            ("oom_skip", "Examples skipped after out-of-memory"),
+        ):
+            if key in totals:
+                memory_rows.append((label, _cell(totals[key])))
+        skipped = skipped_ids(memory)
+        if skipped:
+            memory_rows.append(("Skipped example ids", _cell(skipped[:32]) + (" ..." if len(skipped) > 32 else "")))
+        if not memory_rows:
+            memory_rows.append(("Plan", "recorded in deg.json"))
+    stream = record.get("stream")
+
+    sizes = data.get("sizes")
+    sizes_text = ", ".join(f"{v} {k} examples" for k, v in sizes.items()) if isinstance(sizes, Mapping) else ""
+    load_id = repo_id or "<repo_id>"
+    title = repo_id.split("/")[-1] if repo_id else f"{base_name.split('/')[-1]} {task.upper()} {peft_type} adapter"
+    kwargs = {
+        "title": title,
+        "task": task,
+        "task_upper": task.upper(),
+        "task_description": _TASK_DESCRIPTIONS.get(task, task),
+        "base_model_name": base_name,
+        "base_model_link": f"https://huggingface.co/{base_id}" if base_id else None,
+        "base_revision": base.get("revision"),
+        "peft_type": "LoRA" if peft_type.upper() == "LORA" else peft_type,
+        "peft_r": peft.get("r"),
+        "peft_alpha": peft.get("lora_alpha"),
+        "peft_dropout": peft.get("lora_dropout"),
+        "peft_targets": targets,
+        "default_lora_applied": bool(peft.get("default_lora_applied")),
+        "data_name": data_id or data_name,
+        "data_fingerprint": data.get("fingerprint"),
+        "data_sizes": sizes_text,
+        "train_rows": train_rows,
+        "memory_rows": memory_rows,
+        "streaming": stream_enabled(stream),
+        "layer_fetches": stream_layer_fetches(stream),
+        "metric_rows": [(str(k), _cell(v)) for k, v in (record.get("metrics") or {}).items()],
+        "version_rows": [(k, v) for k, v in (record.get("versions") or {}).items() if v is not None],
+        "load_id": load_id,
+        "tokenizer_source": load_id if tokenizer_in_repo else base_name,
+        "created_at": record.get("created_at"),
+        "deg_hf_version": record.get("deg_hf_version"),
+    }
+    return ModelCard.from_template(card_data, template_path=str(_template_path()), **kwargs)
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def write_model_card(
+    directory: str | os.PathLike,
+    record: Mapping[str, Any],
+    *,
+    repo_id: str | None = None,
+    license: str | None = None,
+) -> Path:
+    """Write (or refresh) ``README.md`` in ``directory`` from ``record``; returns its path."""
+    directory = Path(directory)
+    card = model_card(record, repo_id=repo_id, license=license, tokenizer_in_repo=_has_tokenizer(directory))
+    path = directory / README
+    tmp = directory / f".{README}.tmp"
+    tmp.write_text(str(card), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# what is uploaded, and the scan before it
+# ----------------------------------------------------------------------------------------------------
+
+
+def select_upload_files(checkpoint_dir: str | os.PathLike, *, include_optimizer: bool = False) -> list[str]:
+    """Names of the top-level files of ``checkpoint_dir`` that a push uploads, sorted."""
+    directory = Path(checkpoint_dir)
+    allowed = list(UPLOAD_FILES) + (list(OPTIMIZER_FILES) if include_optimizer else [])
+    chosen = []
+    for path in sorted(directory.iterdir()):
+        if not path.is_file() or path.name in NEVER_UPLOAD:
+            continue
+        if any(fnmatch.fnmatchcase(path.name, pattern) for pattern in allowed):
+            chosen.append(path.name)
+    return chosen
+
+
+def _known_tokens(token: str | None) -> list[str]:
+    candidates = [token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")]
+    try:
+        import huggingface_hub
+
+        candidates.append(huggingface_hub.get_token())
+    except Exception:  # no token store, a failed OIDC exchange...: the other sources remain
+        pass
+    # short strings would match by chance; a real token is far longer
+    return sorted({c for c in candidates if isinstance(c, str) and len(c) >= 8})
+
+
+def _needle_variants(path: str) -> set[bytes]:
+    variants = {path, json.dumps(path)[1:-1]}
+    return {v.encode("utf-8") for v in variants}
+
+
+def _local_path_needles(checkpoint_dir: Path) -> dict[bytes, str]:
+    """Byte strings that betray a local path, mapped to what they are (for the error message)."""
+    needles: dict[bytes, str] = {}
+    for variant in {os.path.abspath(checkpoint_dir), os.path.realpath(checkpoint_dir)}:
+        for needle in _needle_variants(variant):
+            needles[needle] = f"the local path of the checkpoint directory ({variant})"
+    home = os.path.expanduser("~")
+    if home and home != "~" and os.path.isabs(home) and os.path.normpath(home) not in ("/", "\\"):
+        home = os.path.normpath(home)
+        for variant in {home, os.path.realpath(home)}:
+            for needle in _needle_variants(variant):
+                needles.setdefault(needle, f"your home directory ({variant})")
+    return needles
+
+
+def _read_chunks(path: Path, overlap: int) -> Iterable[bytes]:
+    """The bytes worth scanning: a safetensors file's JSON header only, any other file whole."""
+    with path.open("rb") as handle:
+        if path.suffix == ".safetensors":
+            head = handle.read(8)
+            if len(head) == 8:
+                size = int.from_bytes(head, "little")
+                if 0 < size <= 100 * 1024 * 1024:
+                    yield handle.read(size)
+                    return
+            handle.seek(0)
+        tail = b""
+        while True:
+            block = handle.read(_CHUNK)
+            if not block:
+                return
+            yield tail + block
+            tail = block[-overlap:] if overlap else b""
+
+
+def _json_local_paths(value: Any, key: str = "") -> Iterable[tuple[str, str]]:
+    if isinstance(value, str):
+        if os.path.isabs(value) and len(Path(value).parts) >= 3 and os.path.exists(value):
+            yield key, value
+    elif isinstance(value, list):
+        for item in value:
+            yield from _json_local_paths(item, key)
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            yield from _json_local_paths(item, str(k))
+
+
+def scan_for_secrets(checkpoint_dir: str | os.PathLike, files: Iterable[str], *, token: str | None = None) -> None:
+    """Raise ``ValueError`` when a file to upload holds a Hub token or a local absolute path.
+
+    Looks for the known token (``token``, ``HF_TOKEN``, the stored login) and anything shaped like a
+    Hub token, the checkpoint directory's and the home directory's absolute paths, and, in
+    ``adapter_config.json``, ``deg.json`` and ``trainer_state.json``, any string that is an existing
+    local path. The token itself is never echoed.
+    """
+    directory = Path(checkpoint_dir)
+    tokens = [t.encode("utf-8") for t in _known_tokens(token)]
+    needles = _local_path_needles(directory)
+    overlap = max([len(n) for n in [*tokens, *needles]] + [64])
+    problems: list[str] = []
+    for name in files:
+        path = directory / name
+        found: list[str] = []
+        for chunk in _read_chunks(path, overlap):
+            if any(t in chunk for t in tokens):
+                found.append("your Hugging Face token")
+            elif _HF_TOKEN_BYTES_RE.search(chunk):
+                found.append("a Hugging Face token (hf_...)")
+            found.extend(what for needle, what in needles.items() if needle in chunk)
+        if name in _PATH_CHECKED_JSON and path.stat().st_size <= 64 * 1024 * 1024:
+            try:
+                content = json.loads(path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                content = None
+            for key, value in _json_local_paths(content):
+                found.append(f"the local path {value} (key '{key}')")
+        if found:
+            problems.append(f"{name} contains {', '.join(dict.fromkeys(found))}")
+    if problems:
+        hint = ""
+        if any(p.startswith("adapter_config.json") for p in problems):
+            hint = "; set base_model_name_or_path in adapter_config.json to the base model's Hub id"
+        raise ValueError(f"refusing to upload {directory.name}: " + "; ".join(problems) + hint)
+
+
+# ----------------------------------------------------------------------------------------------------
+# push
+# ----------------------------------------------------------------------------------------------------
+
+
+def _validate_repo_id(repo_id: Any) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(repo_id, str) or not repo_id:
+        raise ValueError(f"invalid Hub repo id {repo_id!r}: give 'name' or 'namespace/name'")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise ValueError(f"invalid Hub repo id {repo_id!r}: {exc}") from None
+
+
+def push_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    include_optimizer: bool = False,
+    token: str | None = None,
+    commit_message: str | None = None,
+) -> str:
+    """Upload a deg_hf checkpoint to the Hub model repo ``repo_id``; returns the repo URL.
+
+    Before any remote call: the repo id is validated (``ValueError``), ``deg.json`` is read and
+    validated and the adapter weights and ``adapter_config.json`` must be present
+    (:class:`~deg_hf.checkpoint.DegJsonError`), ``README.md`` is (re)written from the record and
+    every file to upload is scanned for tokens and local paths (``ValueError``). Then the repo is
+    created if needed (and the branch ``revision``) and the selected files are uploaded in one commit.
+    """
+    _validate_repo_id(repo_id)
+    directory = Path(checkpoint_dir)
+    record = read_deg_json(directory)
+    check_checkpoint(directory)
+    if not (directory / "adapter_config.json").is_file():
+        raise DegJsonError(f"{directory} has adapter weights but no adapter_config.json: PEFT cannot load it")
+    write_model_card(directory, record, repo_id=repo_id)
+    files = select_upload_files(directory, include_optimizer=include_optimizer)
+    scan_for_secrets(directory, files, token=token)
+
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    full_id = getattr(repo_url, "repo_id", None) or repo_id
+    if revision:
+        api.create_branch(full_id, branch=revision, repo_type="model", exist_ok=True)
+    message = commit_message or f"Upload {record['task'].upper()} adapter trained with deg_hf"
+    api.upload_folder(
+        folder_path=str(directory),
+        repo_id=full_id,
+        repo_type="model",
+        revision=revision,
+        commit_message=message,
+        allow_patterns=[glob.escape(name) for name in files],
+        ignore_patterns=list(NEVER_UPLOAD),
+    )
+    url = str(repo_url) if repo_url else f"{api.endpoint.rstrip('/')}/{full_id}"
+    if revision:
+        url = f"{url.rstrip('/')}/tree/{revision}"
+    return url
