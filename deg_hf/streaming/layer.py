@@ -73,7 +73,7 @@ class LayerStream:
     def _fetch_and_run(self, *args, **kwargs):
         layer = self.layer_ref
         views = self.runtime.fetch(self.index)
-        weights = {name: views[store_name(name)] for name in _meta_parameter_names(layer)}
+        weights = {name: views[store_name(name)] for name in _meta_parameter_names(layer) if store_name(name) in views}
         self.calls += 1
         _state.inside = True
         try:
@@ -96,11 +96,33 @@ class LayerStream:
                 module._parameters[name] = p
 
 
+    def fill_state_dict(self, module, state_dict, prefix, local_metadata):
+        """``state_dict()`` shows the base weights from the host store (views, no copies) rather
+        than ``meta`` placeholders, so code that reads or hashes a model's state works on a
+        streamed one too."""
+        if self.runtime.closed:
+            return
+        views = self.runtime.store.host_views(self.index)
+        for name in _meta_parameter_names(self.layer_ref):
+            key = prefix + name
+            if key not in state_dict:
+                continue
+            if store_name(name) in views:
+                state_dict[key] = views[store_name(name)]
+            else:  # an adapter created on meta, not materialised yet: it has no values to show
+                del state_dict[key]
+
+
 def attach(layer: torch.nn.Module, index: int, runtime: StreamRuntime) -> LayerStream:
     stream = LayerStream(layer, index, runtime)
     layer._deg_stream = stream
     layer.forward = stream.run
     layer._apply = stream.apply_keeping_meta
+
+    def state_dict_hook(module, state_dict, prefix, local_metadata):  # torch tags the hook function
+        stream.fill_state_dict(module, state_dict, prefix, local_metadata)
+
+    layer.register_state_dict_post_hook(state_dict_hook)
     return stream
 
 

@@ -11,6 +11,7 @@ and ``deg-hf --help`` import deg_hf without paying for them.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from typing import Any
@@ -52,25 +53,50 @@ class StreamingSetupMixin:
             if base.__name__ in ROLLOUT_TRAINERS:
                 raise TypeError(ROLLOUT_REFUSAL.format(name=base.__name__))
 
-    def __init__(self, model: Any = None, args: Any = None, *rest, **kwargs):
-        settings = stream_settings(args)
+    def __init__(self, *args, **kwargs):
+        # bind by the upstream signature, so positional calls work as they do upstream (DPOTrainer
+        # takes `ref_model` second, Trainer takes `args` second)
+        upstream = super().__init__
+        bound = inspect.signature(upstream).bind_partial(*args, **kwargs).arguments
+        extra = bound.pop("kwargs", {}) if isinstance(bound.get("kwargs"), dict) else {}
+        params = {**bound, **extra}
+        model, config = params.get("model"), params.get("args")
+        settings = stream_settings(config)
         self.deg_stream = settings
         self.stream_runtime = None
         self.deg_default_lora = False
         self.deg_notes: list[str] = []
-        if args is None:
-            args = self._deg_default_args(model)
-        self._deg_check_batch(args)
-        peft_config = kwargs.pop("peft_config", None)
-        if kwargs.get("ref_model") is not None and settings.stream_layers:
+        if config is None:
+            config = params["args"] = self._deg_default_args(model)
+        self._deg_check_batch(config)
+        peft_config = params.pop("peft_config", None)
+        if params.get("ref_model") is not None and settings.stream_layers:
             raise ValueError(
                 "ref_model cannot be passed with stream_layers=True: the reference is the same streamed "
                 "base with the adapter disabled, so no second model is ever loaded. Drop ref_model "
                 "(or set stream_layers=False to train resident with an explicit reference)."
             )
-        model = self._deg_build_model(model, args, settings, peft_config)
+        if settings.stream_layers:
+            _refuse_base_reading_peft(peft_config)
+        model = self._deg_build_model(model, config, settings)
         try:
-            super().__init__(model, args, *rest, **kwargs)
+            if not _is_peft_model(model):
+                peft_config = self._deg_peft_config(peft_config)
+                if "peft_config" in inspect.signature(upstream).parameters:
+                    # TRL applies it: its preference trainers then take the reference from the
+                    # same model with the adapter disabled
+                    params["peft_config"] = peft_config
+                else:
+                    from peft import get_peft_model
+
+                    model = get_peft_model(model, peft_config)
+            params["model"] = model
+            upstream(**params)
+            if self.stream_runtime is not None:
+                from deg_hf.streaming.build import materialize_adapters
+
+                # adapters on streamed layers were created on `meta` (their base layer's device)
+                materialize_adapters(self.model, self.stream_runtime.device)
         except BaseException:
             self.release_stream()
             raise
@@ -89,7 +115,7 @@ class StreamingSetupMixin:
                 f"{type(self).__name__} needs per_device_train_batch_size >= {self.deg_min_batch}, got {batch}."
             )
 
-    def _deg_build_model(self, model, args, settings, peft_config):
+    def _deg_build_model(self, model, args, settings):
         from peft import PeftModel
         from transformers import PreTrainedModel
 
@@ -108,7 +134,7 @@ class StreamingSetupMixin:
         if isinstance(model, PreTrainedModel):
             _refuse_dispatched_or_quantized(model)
             if not settings.stream_layers:
-                return self._deg_apply_adapter(model, peft_config)
+                return model
             source = getattr(model, "name_or_path", None)
             if not source:
                 raise ValueError(
@@ -122,9 +148,7 @@ class StreamingSetupMixin:
         if not settings.stream_layers:
             from transformers import AutoModelForCausalLM
 
-            loaded = AutoModelForCausalLM.from_pretrained(model, **_resident_kwargs(init_kwargs))
-            return self._deg_apply_adapter(loaded, peft_config)
-        _refuse_base_reading_peft(peft_config)
+            return AutoModelForCausalLM.from_pretrained(model, **_resident_kwargs(init_kwargs))
         from deg_hf.streaming.build import build_streamed_model
 
         dtype = _dtype_of(args, init_kwargs)
@@ -139,14 +163,10 @@ class StreamingSetupMixin:
             progress=not getattr(args, "disable_tqdm", False),
         )
         self.stream_runtime = runtime
-        try:
-            return self._deg_apply_adapter(streamed, peft_config)
-        except BaseException:
-            self.release_stream()
-            raise
+        return streamed
 
-    def _deg_apply_adapter(self, model, peft_config):
-        from peft import LoraConfig, get_peft_model
+    def _deg_peft_config(self, peft_config):
+        from peft import LoraConfig
 
         if peft_config is None:
             peft_config = LoraConfig(task_type="CAUSAL_LM", **DEFAULT_LORA)
@@ -157,12 +177,7 @@ class StreamingSetupMixin:
             )
             self.deg_notes.append(note)
             warnings.warn(note, stacklevel=4)
-        peft_model = get_peft_model(model, peft_config)
-        if self.stream_runtime is not None:
-            from deg_hf.streaming.build import materialize_adapters
-
-            materialize_adapters(peft_model, self.stream_runtime.device)
-        return peft_model
+        return peft_config
 
     # ------------------------------------------------------------------ lifetime
     def release_stream(self) -> None:
@@ -178,6 +193,12 @@ class StreamingSetupMixin:
         except BaseException:
             self.release_stream()
             raise
+
+
+def _is_peft_model(model) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
 
 
 def _refuse_dispatched_or_quantized(model) -> None:
