@@ -2,28 +2,35 @@
 
 One training micro-batch ("part") of a decoder-only transformer with LoRA adapters is charged
 
-    estimate = workspace + scale * (sum of the components below)
+    estimate = workspace + scale * (sum of the other components below)
 
-where every component is ``coefficient * size`` and the sizes are, with ``T = rows * padded_len``
-charged tokens (padding included: a short row batched beside a long one pays the long width),
-``b`` the compute dtype's bytes per element, ``L`` decoder layers, ``H`` hidden size, ``I``
-intermediate size, ``A`` attention heads, ``K`` key/value heads, ``D`` head dim, ``V`` vocabulary,
-``P`` padded_len and ``n_live`` = 1 with gradient checkpointing (only the layer being recomputed
-holds its working set) or ``L`` without it (every layer keeps its whole working set):
+where every component is ``coefficient * size``. With ``T = rows * padded_len`` charged tokens
+(padding included: a short row batched beside a long one pays the long width), ``b`` the compute
+dtype's bytes per element, ``L`` decoder layers, ``H`` hidden size, ``I`` MLP width, ``A``
+attention heads, ``K`` key/value heads, ``D`` head dim, ``V`` vocabulary, ``P`` padded_len, and
+``n`` = 1 with gradient checkpointing (only the layer being recomputed holds its working set) or
+``L`` without it (every layer keeps its whole working set), the sizes in bytes are:
 
-    inputs        T * 8                               int64 ids, labels, mask, positions
-    embed         T * H * b                           embedding output and its gradient
-    boundary      L * T * H * b                       residual stream saved at each layer input
-    layer_hidden  n_live * T * H * b                  norms, attention/MLP outputs, LoRA inputs
-    layer_qkv     n_live * T * (A + 2K) * D * b       q/k/v projections and their rotated copies
-    layer_inter   n_live * T * I * b                  gate, up, activation and product (+ grads)
-    attn_scores   n_live * T * P * A * b              eager attention only (0 for sdpa/flash)
-    attn_mask     M * rows * P * P * m                4-D mask: m = 1 (sdpa, bool), b (eager), 0 (flash)
-    logits        T_lm * V * b                        full LM head: logits and their gradient
-    logits_fp32   T_lm * V * 4                        full LM head: fp32 upcast / log-softmax for the loss
-    lm_tile       min(T_lm, 4096) * min(V, 32768) * b TRL fused LM head: one projection tile
-    lm_hidden     T_lm * H * 4                        LM-head input copy and fp32 input-gradient buffer
-    workspace     1 byte                              constant: cuBLAS workspaces, small buffers
+    component          size                                what it stands for
+    inputs             T * 8                               int64 ids, labels, mask, positions
+    embed              T * H * b                           embedding output / its gradient
+    boundary           L * T * H * b                       residual stream saved at each layer input
+    layer_hidden       n * T * H * b                       hidden-wide tensors of a layer
+    layer_hidden_fp32  n * T * H * 4                       their fp32 parts (RMSNorm, fp32 LoRA path)
+    layer_qkv          n * T * (A + 2K) * D * b            q/k/v projections, rotated copies
+    layer_inter        n * T * I * b                       gate, up, activation, product, grads
+    layer_inter_fp32   n * T * I * 4                       their fp32 parts (fp32 LoRA path)
+    attn_scores        n * T * P * A * b                   eager attention only (0 for sdpa/flash)
+    attn_mask          M * rows * P * P * (m + n * m')     4-D mask: sdpa m=1 (bool), m'=b (the
+                                                           float bias each layer call saves),
+                                                           none for one sdpa row (is_causal);
+                                                           eager m=b, m'=0; flash/flex: 0
+    logits             T_lm * V * b                        full LM head: the logits
+    logits_fp32        T_lm * V * 4                        full LM head: fp32 upcast, log-softmax,
+                                                           their gradients
+    lm_tile            min(T_lm, 4096) * min(V, 32768) * b TRL fused LM head: one projection tile
+    lm_hidden          T_lm * H * 4                        LM-head input and fp32 input gradient
+    workspace          1                                   constant bytes
 
 ``M`` is the number of distinct attention-mask kinds (2 for models mixing sliding and full
 attention). ``T_lm`` is the number of positions the LM head scores: all ``T`` for a full
@@ -32,11 +39,17 @@ their count is known. ``logits``/``logits_fp32`` apply only to the full head and
 to the fused head, whose tile geometry (4096 tokens x 32768 vocabulary columns) is TRL's
 ``TOKEN_CHUNK_SIZE`` and ``_CHUNKED_LOGPROB_CHUNK_SIZE``.
 
-``scale`` (>= its floor, 1.0 by default) is calibrated from measured peaks by
+The components are summed although the LM-head peak and the recomputed layer's peak come at
+different moments of the backward pass; the sum is a deliberate upper bound. The default
+coefficients were fitted to measured peaks of Llama-shaped LoRA steps (all-linear, dropout 0.05,
+fp32 adapters, bf16 and fp32 bases): each coefficient has a ``b``-scaled and an fp32 twin where
+the upcasts make the bytes nearly dtype-independent.
+
+``scale`` (never below its floor, 1.0 by default) is calibrated from measured peaks by
 :meth:`MemPlanner.observe`; it multiplies everything but the constant workspace. The planner's
-budget is ``target_bytes - static_bytes`` in real bytes; a part fits when its scaled estimate is at
-most the budget. Every coefficient is non-negative and every size only ever adds, so the estimate
-is monotone non-decreasing in each size and each coefficient.
+budget is ``target_bytes - static_bytes`` in real bytes; a part fits when its scaled estimate is
+at most the budget. Every coefficient is non-negative and every size only ever adds, so the
+estimate is monotone non-decreasing in each size and each coefficient.
 
 The non-activation memory (:func:`static_bytes`) is resident weights (embeddings, final norm,
 an untied LM head), decoder weights in flight (``stream_buffers`` layers when streaming, all
@@ -107,31 +120,35 @@ class MemCoef:
 
     # int64 input tensors: input_ids, labels, attention_mask, position_ids
     inputs: float = 4.0
-    # embedding output plus its gradient (inputs require grad under gradient checkpointing)
-    embed: float = 2.0
+    # embedding output (the first checkpoint input) and its gradient at the end of backward
+    embed: float = 1.0
     # one saved residual-stream tensor per layer input (the checkpoint boundary)
     boundary: float = 1.0
-    # hidden-wide tensors of one layer: RMSNorm fp32 upcasts count double in bf16, LoRA dropout
-    # copies of the normed input for q/k/v/gate/up, attention and MLP outputs, and backward grads
-    layer_hidden: float = 16.0
-    # q, k, v projections, their rotated copies and the attention output (width A*D)
-    layer_qkv: float = 3.0
-    # intermediate-wide tensors: gate, up, act(gate), act*up, down's LoRA dropout copy, grads
-    layer_inter: float = 7.0
-    # eager attention: scores, fp32 softmax, probabilities (memory-efficient kernels: size 0)
+    # hidden-wide tensors of one layer in the compute dtype: norm outputs, attention/MLP outputs
+    layer_hidden: float = 2.0
+    # hidden-wide fp32 tensors: RMSNorm upcasts, LoRA dropout copies cast to the fp32 adapters
+    # for q/k/v/o/gate/up, their gradients
+    layer_hidden_fp32: float = 14.0
+    # q, k, v projections and their rotated copies (width (A + 2K) * D)
+    layer_qkv: float = 1.0
+    # intermediate-wide tensors in the compute dtype: gate, up, act(gate), act*up, gradients
+    layer_inter: float = 2.0
+    # intermediate-wide fp32 tensors: down_proj's LoRA input (dropout copy) and its gradient
+    layer_inter_fp32: float = 4.0
+    # eager attention: scores, softmax, probabilities (memory-efficient kernels: size 0)
     attn_scores: float = 3.0
-    # the 4-D attention mask built once per forward and held until backward ends
+    # the 4-D attention mask and the float bias sdpa derives from it per layer call
     attn_mask: float = 1.0
-    # full LM head: logits in the compute dtype and their gradient
-    logits: float = 2.0
-    # full LM head: fp32 upcast for the loss, log-softmax saved for backward and its gradient
-    logits_fp32: float = 2.0
+    # full LM head: logits in the compute dtype
+    logits: float = 1.0
+    # full LM head: fp32 upcast for the loss, log-softmax saved for backward, the gradients
+    logits_fp32: float = 3.0
     # fused LM head: the projection tile (forward and backward each allocate one, not together)
     lm_tile: float = 1.0
-    # LM-head input (the final norm output or the compacted copy) and the fp32 grad accumulator
-    lm_hidden: float = 2.0
-    # constant bytes: cuBLAS / cuBLASLt workspaces, scalars, small per-step buffers
-    workspace: float = float(128 * MIB)
+    # LM-head input (final norm output or the fused head's copy) and the fp32 grad accumulator
+    lm_hidden: float = 3.0
+    # constant bytes: scalars, small per-step buffers, allocator rounding
+    workspace: float = float(64 * MIB)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -153,6 +170,7 @@ class MemCoef:
         return cls(**{k: _check_coef(k, v) for k, v in data.items()})
 
     def to_dict(self) -> dict[str, float]:
+        """Every coefficient by name (what :meth:`save` writes)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
@@ -166,6 +184,7 @@ class MemCoef:
         return cls.from_dict(data)
 
     def save(self, path: str | os.PathLike[str]) -> None:
+        """Write every coefficient as a JSON object."""
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(self.to_dict(), fh, indent=2, sort_keys=True)
             fh.write("\n")
@@ -335,6 +354,7 @@ class Features:
     ``tokens`` is the number of positions the decoder computes (``rows * padded_len`` with
     padding); ``lm_tokens`` the number the LM head scores. ``prompt_tokens`` and
     ``completion_tokens`` are recorded for logs; only ``lm_tokens`` enters the estimate.
+    ``streaming`` is recorded too: it moves weights (see :func:`static_bytes`), not activations.
     """
 
     rows: int
@@ -433,13 +453,15 @@ def features(
 # ----------------------------------------------------------------------------- the estimate
 
 
-def _mask_bytes(f: Features) -> int:
+def _mask_bytes(f: Features) -> tuple[int, int]:
+    """(bytes held once, bytes saved per live layer) per mask element."""
     impl = f.attn_implementation
     if impl in _NO_MASK_ATTN or "flash" in impl:
-        return 0  # varlen kernels take cu_seqlens; flex builds a small block mask
+        return 0, 0  # varlen kernels take cu_seqlens; flex builds a small block mask
     if impl == "sdpa":
-        return 1  # boolean mask
-    return f.dtype_bytes  # eager and unknown kernels: an additive float mask
+        # a boolean mask, turned into a float bias by every sdpa call and saved for its backward
+        return 1, f.dtype_bytes
+    return f.dtype_bytes, 0  # eager and unknown kernels: an additive float mask
 
 
 def _materialises_scores(f: Features) -> bool:
@@ -454,15 +476,23 @@ def _sizes(f: Features) -> dict[str, int]:
     live = 1 if f.checkpointing else f.layers
     qkv_width = (f.heads + 2 * f.kv_heads) * f.head_dim
     full = not f.fused_lm_head
+    held, per_layer = _mask_bytes(f)
+    kinds = f.mask_kinds
+    if f.attn_implementation == "sdpa" and f.rows <= 1:
+        # one row has no padding: transformers skips the full-attention mask and lets sdpa run
+        # is_causal (a sliding-window mask, if any, is still counted)
+        kinds -= 1
     return {
         "inputs": t * 8,
         "embed": t * f.hidden * b,
         "boundary": f.layers * t * f.hidden * b,
         "layer_hidden": live * t * f.hidden * b,
+        "layer_hidden_fp32": live * t * f.hidden * 4,
         "layer_qkv": live * t * qkv_width * b,
         "layer_inter": live * t * f.intermediate * b,
+        "layer_inter_fp32": live * t * f.intermediate * 4,
         "attn_scores": live * t * f.padded_len * f.heads * b if _materialises_scores(f) else 0,
-        "attn_mask": f.mask_kinds * f.rows * f.padded_len * f.padded_len * _mask_bytes(f),
+        "attn_mask": kinds * f.rows * f.padded_len * f.padded_len * (held + live * per_layer),
         "logits": f.lm_tokens * f.vocab * b if full else 0,
         "logits_fp32": f.lm_tokens * f.vocab * 4 if full else 0,
         "lm_tile": 0 if full else (min(f.lm_tokens, f.lm_head_tile_tokens)
@@ -474,7 +504,7 @@ def _sizes(f: Features) -> dict[str, int]:
 
 def breakdown(features: Features, coef: MemCoef | None = None) -> dict[str, int]:
     """Unscaled bytes per component: ``ceil(coefficient * size)``, keyed by coefficient name."""
-    coef = coef or MemCoef()
+    coef = MemCoef() if coef is None else coef
     return {name: math.ceil(getattr(coef, name) * size) for name, size in _sizes(features).items()}
 
 
@@ -645,7 +675,8 @@ class Example:
 class Part:
     """A contiguous, in-order run of examples run as one micro-batch.
 
-    ``row_range`` is set on row chunks of a single example (``(start, stop)`` of its rows).
+    ``row_range`` is set on row chunks of a single example (``(start, stop)`` of its rows); it is
+    ``None`` when the part holds its examples' rows in full.
     ``estimate`` (scaled) and ``fits`` are as planned; the planner's scale may move afterwards,
     so ask :meth:`MemPlanner.fits` again when that matters.
     """
@@ -709,7 +740,7 @@ class MemPlanner:
         dtype_bytes: int = 4,
         attn_implementation: str = "sdpa",
         observe_window: int = 8,
-        noise_floor_bytes: int = 512 * MIB,
+        noise_floor_bytes: int = 256 * MIB,
         margin: float = 0.05,
         min_scale: float = 1.0,
         scale: float = 1.0,
@@ -752,6 +783,7 @@ class MemPlanner:
         return max(0, self.target_bytes - self.static_bytes)
 
     def features_of(self, rows: int, padded_len: int, completion_tokens: int | None = None) -> Features:
+        """Features of ``rows`` rows padded to ``padded_len`` under this planner's settings."""
         return features(
             self.dims,
             rows=rows,
@@ -790,6 +822,8 @@ class MemPlanner:
             (ex,) = examples
             lo, hi = row_range
             f = self.features_of(hi - lo, max(ex.lengths[lo:hi]), ex.labelled(lo, hi))
+            if (lo, hi) == (0, ex.rows):
+                row_range = None  # all rows: the whole example, as plan() would give it
         est = estimate(f, self.coef, self.scale)
         return Part(tuple(examples), f, est, est <= self.budget(), row_range)
 

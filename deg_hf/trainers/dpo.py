@@ -20,4 +20,6 @@ class StreamedDPOTrainer(StreamingSetupMixin, DPOTrainer):
 
     deg_task = "dpo"
     deg_rows_per_example = 2
+    deg_stacked_pairs = True
+    deg_loss_unit = "examples"
     deg_config_class = "StreamedDPOConfig"

@@ -2,13 +2,28 @@
 
 KTO's reference forward (and its KL forward) run through the trainer's own model with the adapter
 disabled, so the reference is the same streamed base, as for DPO.
+
+KTO's KL term is a batch-level quantity: the mean over the micro-batch of mismatched
+(prompt, completion) log-ratios. When the memory plan runs a micro-batch in several parts, the KL
+forwards run once over the whole micro-batch first, and every part uses those values, so the parts
+add up to the unsplit loss.
 """
 
 from __future__ import annotations
 
+import torch
 from trl import KTOTrainer
 
 from deg_hf.trainers.mixin import StreamingSetupMixin
+
+
+def _adapters_disabled(model) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            return bool(module.disable_adapters)
+    return False
 
 
 class StreamedKTOTrainer(StreamingSetupMixin, KTOTrainer):
@@ -23,3 +38,33 @@ class StreamedKTOTrainer(StreamingSetupMixin, KTOTrainer):
     deg_kl_rows_per_example = 1
     deg_min_batch = 2
     deg_config_class = "StreamedKTOConfig"
+    deg_loss_unit = "examples"
+
+    _deg_kl_cache: dict | None = None
+
+    def _deg_before_parts(self, model, inputs) -> None:
+        if not self.calculate_KL:
+            return
+        from trl.trainer.utils import use_adapter
+
+        batch = {k: (v.to(self.accelerator.device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        cache = {False: KTOTrainer._compute_kl_logps(self, model, batch)}
+        if not self.precompute_ref_logps:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            with torch.no_grad(), use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                cache[True] = KTOTrainer._compute_kl_logps(self, self.model, batch)
+        self._deg_kl_cache = cache
+
+    def _deg_after_parts(self) -> None:
+        self._deg_kl_cache = None
+
+    def _deg_part_inputs(self, part: dict, whole: dict) -> dict:
+        if self._deg_kl_cache is not None and "ref_KL_logps" in whole:
+            part = dict(part)
+            part["ref_KL_logps"] = whole["ref_KL_logps"]  # the KL term is the whole micro-batch's
+        return part
+
+    def _compute_kl_logps(self, model, batch):
+        if self._deg_kl_cache is None:
+            return super()._compute_kl_logps(model, batch)
+        return self._deg_kl_cache[_adapters_disabled(model)]

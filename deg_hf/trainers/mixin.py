@@ -14,7 +14,6 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from typing import Any
 
 from deg_hf.config import ROLLOUT_REFUSAL, stream_settings
 
@@ -44,8 +43,14 @@ class StreamingSetupMixin:
 
     deg_task: str = "sft"
     deg_rows_per_example: int = 1
+    deg_kl_rows_per_example: int = 0
     deg_min_batch: int = 1
     deg_config_class: str = "StreamedTrainingArguments"
+    #: TRL's DPO collates [chosen rows; rejected rows]: example i owns rows i and B + i
+    deg_stacked_pairs: bool = False
+    #: what the loss averages over within a micro-batch when it is not normalised by
+    #: num_items_in_batch: "tokens" (causal-LM loss) or "examples" (preference losses)
+    deg_loss_unit: str = "tokens"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -78,6 +83,7 @@ class StreamingSetupMixin:
             )
         if settings.stream_layers:
             _refuse_base_reading_peft(peft_config)
+        self.deg_preflight = self._deg_preflight(model, config, settings, peft_config)
         model = self._deg_build_model(model, config, settings)
         try:
             if not _is_peft_model(model):
@@ -97,6 +103,7 @@ class StreamingSetupMixin:
 
                 # adapters on streamed layers were created on `meta` (their base layer's device)
                 materialize_adapters(self.model, self.stream_runtime.device)
+            self._deg_setup_memory(settings)
         except BaseException:
             self.release_stream()
             raise
@@ -178,6 +185,189 @@ class StreamingSetupMixin:
             self.deg_notes.append(note)
             warnings.warn(note, stacklevel=4)
         return peft_config
+
+    # ------------------------------------------------------------------ memory planning
+    def _deg_model_config(self, model):
+        from peft import PeftModel
+
+        if isinstance(model, PeftModel):
+            return model.base_model.model.config
+        if isinstance(model, str):
+            from transformers import AutoConfig
+
+            from deg_hf.streaming.store import resolve_checkpoint
+
+            local = model if not self.deg_stream.stream_layers else resolve_checkpoint(model)
+            return AutoConfig.from_pretrained(local)
+        return getattr(model, "config", None)
+
+    def _deg_max_length(self, args) -> int:
+        for name in ("max_length", "max_seq_length"):
+            value = getattr(args, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return 1024
+
+    def _deg_preflight(self, model, args, settings, peft_config):
+        """Estimate the configured micro-batch from config.json alone; refuse what cannot fit."""
+        if not settings.mem_plan or model is None:
+            return None
+        from deg_hf.memory.preflight import lora_params, make_planner, preflight, target_bytes
+
+        if target_bytes(settings, args.device) is None:
+            return None  # unlimited (CPU without mem_target_gb): nothing to refuse
+        config = self._deg_model_config(model)
+        if config is None:
+            return None
+        from deg_hf.streaming.build import checkpoint_dtype
+
+        dtype = _dtype_of(args, dict(getattr(args, "model_init_kwargs", None) or {})) or checkpoint_dtype(config)
+        dtype_bytes = dtype.itemsize if dtype is not None else 4
+        planner = make_planner(
+            config.to_dict(), settings, device=args.device, streaming=settings.stream_layers,
+            trainable_params=lora_params(config.to_dict(), peft_config), dtype_bytes=dtype_bytes,
+            rows_per_example=self.deg_rows_per_example, attn_implementation=None,
+            fused_lm_head=self.deg_task in ("dpo", "kto"),
+        )
+        return preflight(
+            type(self).__name__, planner, rows_per_example=self.deg_rows_per_example,
+            kl_rows_per_example=self.deg_kl_rows_per_example, min_examples=self.deg_min_batch,
+            batch=int(getattr(args, "per_device_train_batch_size", 1)), max_length=self._deg_max_length(args),
+        )
+
+    def _deg_setup_memory(self, settings) -> None:
+        from deg_hf.memory.callback import MemoryPlanCallback
+        from deg_hf.memory.collator import MemoryPlanningCollator
+        from deg_hf.memory.preflight import make_planner
+        from deg_hf.memory.split_retry import SplitRetryEngine
+
+        self.deg_engine = SplitRetryEngine(self)
+        self.deg_fault_hook = None
+        self.deg_memory_simulator = None
+        self._deg_part_weight = 1.0
+        self._deg_part_info = None
+        self.deg_planner = None
+        if settings.mem_plan:
+            base = self.model.base_model.model if hasattr(self.model, "base_model") else self.model
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), None)
+            self.deg_planner = make_planner(
+                base.config.to_dict(), settings, device=self.args.device,
+                streaming=self.stream_runtime is not None, trainable_params=trainable,
+                dtype_bytes=dtype.itemsize if dtype is not None else 4,
+                rows_per_example=self.deg_rows_per_example,
+                attn_implementation=getattr(base.config, "_attn_implementation", None),
+                fused_lm_head=self.deg_task in ("dpo", "kto"),
+            )
+        if self.data_collator is not None and not isinstance(self.data_collator, MemoryPlanningCollator):
+            self.data_collator = MemoryPlanningCollator(self.data_collator, stacked_pairs=self.deg_stacked_pairs)
+        self.add_callback(MemoryPlanCallback(self))
+
+    @property
+    def deg_counters(self) -> dict:
+        return self.deg_engine.counters.as_dict()
+
+    def set_fault_hook(self, hook) -> None:
+        """Install ``hook(part_info, phase)``, called before each part's forward (phase
+        ``"forward"``) and after its backward wrote gradients (``"backward"``). It may raise (e.g.
+        ``torch.OutOfMemoryError``) to exercise split-and-retry; ``None`` removes it."""
+        self.deg_fault_hook = hook
+
+    def simulate_device_memory(self, budget_bytes: int | None):
+        """Raise ``torch.OutOfMemoryError`` when a part's saved activations exceed ``budget_bytes``
+        (a CPU stand-in for a device running out of memory); ``None`` turns it off."""
+        from deg_hf.memory.simulate import SimulatedDeviceMemory
+
+        self.deg_memory_simulator = None if budget_bytes is None else SimulatedDeviceMemory(budget_bytes)
+        return self.deg_memory_simulator
+
+    def get_batch_samples(self, *args, **kwargs):
+        batch_samples, num_items = super().get_batch_samples(*args, **kwargs)
+        self.deg_engine.begin_window(batch_samples)
+        return batch_samples, num_items
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        def run_part(part, num_items, weight, info):
+            return self._deg_run_part(model, part, num_items, weight, info)
+
+        return self.deg_engine.training_step(model, inputs, num_items_in_batch, run_part)
+
+    def _deg_run_part(self, model, part, num_items, weight, info):
+        import contextlib
+
+        import torch
+
+        self._deg_part_weight, self._deg_part_info = weight, info
+        simulator = self.deg_memory_simulator
+        measure = torch.cuda.is_available() and self.args.device.type == "cuda"
+        if measure:
+            torch.cuda.reset_peak_memory_stats(self.args.device)
+            before = torch.cuda.memory_allocated(self.args.device)
+        try:
+            with simulator.part(info) if simulator is not None else contextlib.nullcontext():
+                loss = super().training_step(model, part, num_items)
+            if self.deg_fault_hook is not None:
+                self.deg_fault_hook(info, "backward")
+        finally:
+            self._deg_part_weight, self._deg_part_info = 1.0, None
+        if measure and self.deg_planner is not None:
+            from deg_hf.memory import batch as mb
+            from deg_hf.memory.planner import Example
+
+            peak = torch.cuda.max_memory_allocated(self.args.device) - before
+            lengths = mb.row_lengths(part, self.deg_stacked_pairs)
+            self.deg_planner.observe([Example(i, n) for i, n in enumerate(lengths)], peak)
+        return loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = self._deg_strip_features(inputs)
+        if self._deg_part_info is not None and self.deg_fault_hook is not None:
+            self.deg_fault_hook(self._deg_part_info, "forward")
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        weight = self._deg_part_weight
+        if weight == 1.0:
+            return out
+        if return_outputs:
+            return (out[0] * weight, *out[1:])
+        return out * weight
+
+    def _prepare_inputs(self, inputs):
+        return super()._prepare_inputs(self._deg_strip_features(inputs))
+
+    def _deg_strip_features(self, inputs):
+        from deg_hf.memory.collator import strip
+
+        return strip(inputs) if isinstance(inputs, dict) else inputs
+
+    def _deg_uids(self, inputs, n: int) -> list:
+        uids = inputs.get("deg_uid") if isinstance(inputs, dict) else None
+        if isinstance(uids, list) and len(uids) == n:
+            return [u if u is not None else i for i, u in enumerate(uids)]
+        return list(range(n))
+
+    def _deg_before_parts(self, model, inputs) -> None:
+        """Called before a micro-batch runs in several parts (KTO computes its batch-level KL here)."""
+
+    def _deg_after_parts(self) -> None:
+        """Called after the parts of a micro-batch ran (or failed)."""
+
+    def _deg_part_inputs(self, part: dict, whole: dict) -> dict:
+        """A part's inputs; losses with batch-level terms put the whole micro-batch's values back."""
+        return part
+
+    def _deg_measured_peak(self):
+        import torch
+
+        if torch.cuda.is_available() and self.args.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.args.device)
+        return None
+
+    def log(self, logs, *args, **kwargs):
+        engine = getattr(self, "deg_engine", None)
+        if engine is not None and "loss" in logs:
+            callback = next(c for c in self.callback_handler.callbacks if type(c).__name__ == "MemoryPlanCallback")
+            logs.update(callback.counters_since_last_log())
+        return super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ lifetime
     def release_stream(self) -> None:

@@ -19,4 +19,5 @@ class StreamedORPOTrainer(StreamingSetupMixin, ORPOTrainer):
 
     deg_task = "orpo"
     deg_rows_per_example = 2
+    deg_loss_unit = "examples"
     deg_config_class = "StreamedORPOConfig"

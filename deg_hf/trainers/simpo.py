@@ -20,4 +20,5 @@ class StreamedSimPOTrainer(StreamingSetupMixin, CPOTrainer):
 
     deg_task = "simpo"
     deg_rows_per_example = 2
+    deg_loss_unit = "examples"
     deg_config_class = "SimPOConfig"

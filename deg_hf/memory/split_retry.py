@@ -1,0 +1,281 @@
+"""Run a micro-batch in parts that fit, and survive running out of memory.
+
+:class:`SplitRetryEngine` is what the mixin's ``training_step`` calls. For one micro-batch it
+
+1. asks the planner for contiguous parts of examples that fit the memory target;
+2. runs each part through the trainer's own ``training_step`` with a loss weight chosen so that
+   the parts' gradients add up to the unsplit micro-batch's gradient: a loss normalised by the
+   accumulation window's label count (``num_items_in_batch``) needs no weight; a loss that is a
+   mean over the micro-batch's examples (DPO, KTO, ORPO, SimPO) or tokens (SFT without
+   ``num_items_in_batch``) is weighted by the part's share of them;
+3. on an out-of-memory error anywhere in a part's forward or backward, puts back the gradients
+   as they were before the part, halves the part and retries;
+4. skips a single example that still runs out of memory, and then makes the step exactly what it
+   would have been had the example never been in the batch: the micro-batch is run again without
+   it and, when the loss is normalised over the whole accumulation window, the window's earlier
+   micro-batches are replayed with the corrected label count.
+
+Any error that is not an out-of-memory error propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deg_hf.memory import batch as mb
+
+logger = logging.getLogger(__name__)
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc)
+        return "CUDA out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text or "out of memory" in text.lower()
+    return False
+
+
+@dataclass
+class PartInfo:
+    """What a fault hook sees of a part (also the payload of ``oom_skip`` events)."""
+
+    step: int  # optimizer step (trainer.state.global_step)
+    micro_batch: int  # index of the micro-batch within the accumulation window
+    indices: tuple[int, ...]  # example positions within the micro-batch
+    uids: tuple[Any, ...]  # example ids when the collator attached them, else the positions
+    rows: int
+    tokens: int
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class _Skip(Exception):
+    def __init__(self, index: int, info: PartInfo, error: BaseException):
+        super().__init__(f"example {index} skipped")
+        self.index, self.info, self.error = index, info, error
+
+
+@dataclass
+class _Window:
+    """The micro-batches of one optimizer step, kept so a skip can replay them."""
+
+    step: int
+    batches: list  # the trainer's own list of micro-batches (identity matters)
+    grads_at_start: list
+    excluded: dict[int, set] = field(default_factory=dict)  # micro-batch -> skipped example positions
+    reported: dict[int, float] = field(default_factory=dict)  # micro-batch -> loss already returned
+    num_items: Any = None  # corrected num_items_in_batch after a skip (token-normalised losses)
+    corrected: bool = False
+
+
+@dataclass
+class Counters:
+    parts: int = 0
+    oom_retry: int = 0
+    oom_skip: int = 0
+    skipped: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"parts": self.parts, "oom_retry": self.oom_retry, "oom_skip": self.oom_skip,
+                "skipped": list(self.skipped)}
+
+
+class SplitRetryEngine:
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.counters = Counters()
+        self.events: list[dict] = []  # oom_skip events not yet written out
+        self.window: _Window | None = None
+        self.all_skipped_steps = 0
+        self.last_estimate = 0
+
+    # ------------------------------------------------------------------ trainer hooks
+    def begin_window(self, batches: list) -> None:
+        self.window = _Window(self.trainer.state.global_step, batches, self._grads())
+
+    def window_all_skipped(self) -> bool:
+        w = self.window
+        if w is None or not w.excluded:
+            return False
+        stacked = self.trainer.deg_stacked_pairs
+        return all(
+            len(w.excluded.get(m, ())) == mb.n_examples(b, stacked) for m, b in enumerate(w.batches)
+        )
+
+    # ------------------------------------------------------------------ one micro-batch
+    def training_step(self, model, inputs, num_items_in_batch, run_part):
+        """``run_part(part_inputs, num_items, weight, info)`` runs the trainer's own forward and
+        backward on a part and returns its weighted, detached loss."""
+        w = self.window
+        m = next((i for i, b in enumerate(w.batches) if b is inputs), None) if w else None
+        if w is None or m is None:  # called outside the training loop's window (e.g. directly)
+            self.begin_window([inputs])
+            w, m = self.window, 0
+        if w.num_items is not None:
+            num_items_in_batch = w.num_items
+        self._correction = 0.0
+        loss = self._run_micro_batch(model, m, num_items_in_batch, run_part)
+        # the training loop already added the replayed micro-batches' old losses to its total
+        return loss + self._correction
+
+    def _run_micro_batch(self, model, m, num_items, run_part):
+        w = self.window
+        snapshot = self._grads()
+        while True:
+            try:
+                loss = self._run_examples(model, m, num_items, run_part)
+                w.reported[m] = float(loss)
+                return loss
+            except _Skip as skip:
+                self._record_skip(skip)
+                w.excluded.setdefault(m, set()).add(skip.index)
+                if self._token_normalised(num_items):
+                    # every micro-batch of the window was normalised by a count that included
+                    # the skipped example: recount, and replay the earlier ones from the
+                    # window's starting gradients
+                    num_items = w.num_items = self._recount_window()
+                    self._restore(w.grads_at_start)
+                    old = sum(w.reported.get(i, 0.0) for i in range(m))
+                    new = sum(float(self._run_micro_batch(model, i, num_items, run_part)) for i in range(m))
+                    self._correction += new - old
+                    snapshot = self._grads()
+                else:
+                    self._restore(snapshot)
+
+    def _run_examples(self, model, m, num_items, run_part):
+        trainer = self.trainer
+        w = self.window
+        inputs = w.batches[m]
+        stacked = trainer.deg_stacked_pairs
+        inputs = trainer._deg_strip_features(inputs)
+        b = mb.n_examples(inputs, stacked)
+        active = [i for i in range(b) if i not in w.excluded.get(m, set())]
+        if not active:
+            return torch.zeros((), device=trainer.args.device)
+        token_mode = self._token_normalised(num_items)
+        total_units = None if token_mode else self._units(inputs, active)
+        uids = trainer._deg_uids(w.batches[m], b)
+        queue = [list(p) for p in self._plan(inputs, active, w.batches[m].get("deg_lengths"))]
+        whole = mb.select(inputs, active, stacked) if active != list(range(b)) else inputs
+        if len(queue) > 1:
+            trainer._deg_before_parts(model, whole)
+        loss_total = None
+        try:
+            while queue:
+                idx = queue.pop(0)
+                part = mb.select(inputs, idx, stacked) if idx != list(range(b)) else inputs
+                if idx != active:
+                    part = trainer._deg_part_inputs(part, whole)
+                info = PartInfo(trainer.state.global_step, m, tuple(idx), tuple(uids[i] for i in idx),
+                                rows=int(part[mb.main_key(part)].shape[0]),
+                                tokens=mb.label_tokens(part, stacked))
+                weight = 1.0 if token_mode else self._units(inputs, idx) / total_units
+                before = self._grads()
+                try:
+                    loss = run_part(part, num_items, weight, info)
+                except Exception as exc:
+                    if not is_oom(exc) or not trainer.deg_stream.oom_retry:
+                        raise
+                    self._restore(before)
+                    del before
+                    _free_device_cache()
+                    if len(idx) == 1:
+                        raise _Skip(idx[0], info, exc) from exc
+                    self._count_retry(exc)
+                    half = len(idx) // 2
+                    queue[:0] = [idx[:half], idx[half:]]
+                    continue
+                self.counters.parts += 1
+                loss_total = loss if loss_total is None else loss_total + loss
+        finally:
+            trainer._deg_after_parts()
+        return loss_total
+
+    # ------------------------------------------------------------------ helpers
+    def _plan(self, inputs, active, lengths=None) -> list[list[int]]:
+        planner = self.trainer.deg_planner
+        if planner is None or not self.trainer.deg_stream.mem_plan:
+            return [active]
+        from deg_hf.memory.planner import Example
+
+        if lengths is None:
+            lengths = mb.row_lengths(inputs, self.trainer.deg_stacked_pairs)
+        examples = [Example(i, lengths[i]) for i in active]
+        parts = planner.plan(examples)
+        self.last_estimate = max((p.estimate for p in parts), default=0)
+        return [list(p.indices) for p in parts]
+
+    def _units(self, inputs, idx) -> float:
+        if self.trainer.deg_loss_unit == "tokens":
+            return float(max(1, mb.label_tokens(inputs, self.trainer.deg_stacked_pairs, idx)))
+        return float(len(idx))
+
+    def _token_normalised(self, num_items) -> bool:
+        trainer = self.trainer
+        scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+        if scaled is not None:
+            return bool(scaled) and num_items is not None
+        return (getattr(trainer, "model_accepts_loss_kwargs", False) and num_items is not None) or (
+            getattr(trainer, "compute_loss_func", None) is not None
+        )
+
+    def _recount_window(self):
+        trainer, w = self.trainer, self.window
+        stacked = trainer.deg_stacked_pairs
+        kept = []
+        for i, b in enumerate(w.batches):
+            b = trainer._deg_strip_features(b)
+            active = [j for j in range(mb.n_examples(b, stacked)) if j not in w.excluded.get(i, set())]
+            if active:
+                kept.append(mb.select(b, active, stacked))
+        if not kept:
+            return None
+        return trainer._get_num_items_in_batch(kept, trainer.args.device)
+
+    def _count_retry(self, exc) -> None:
+        self.counters.oom_retry += 1
+        limit = self.trainer.deg_stream.oom_max_splits
+        if self.counters.oom_retry - self._retries_at_step_start() > limit:
+            raise RuntimeError(
+                f"out of memory {limit} times in one optimizer step (oom_max_splits={limit}); "
+                "lower per_device_train_batch_size or max_length, or raise oom_max_splits"
+            ) from exc
+
+    def _retries_at_step_start(self) -> int:
+        step = self.trainer.state.global_step
+        if getattr(self, "_retry_step", None) != step:
+            self._retry_step, self._retry_base = step, self.counters.oom_retry - 1
+        return self._retry_base
+
+    def _record_skip(self, skip: _Skip) -> None:
+        self.counters.oom_skip += 1
+        self.counters.skipped.append(skip.info.uids[0])
+        event = {"event": "oom_skip", "step": skip.info.step, "micro_batch": skip.info.micro_batch,
+                 "index": skip.info.indices[0], "uid": skip.info.uids[0], "rows": skip.info.rows,
+                 "tokens": skip.info.tokens, "error": str(skip.error).splitlines()[0][:200]}
+        self.events.append(event)
+        logger.warning("skipped example %s (uid %s): out of memory even alone (%d rows, %d tokens)",
+                       event["index"], event["uid"], event["rows"], event["tokens"])
+
+    def _params(self):
+        return [p for p in self.trainer.model.parameters() if p.requires_grad]
+
+    def _grads(self) -> list:
+        return [None if p.grad is None else p.grad.detach().clone() for p in self._params()]
+
+    def _restore(self, grads: list) -> None:
+        for p, g in zip(self._params(), grads):
+            p.grad = None if g is None else g.clone()
+
+
+def _free_device_cache() -> None:
+    with contextlib.suppress(Exception):
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
