@@ -18,8 +18,8 @@ import torch
 class SimulatedDeviceMemory:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = int(budget_bytes)
-        self.peaks: list[int] = []  # per part run
-        self.raised = 0
+        self.peaks: list[int] = []  # saved bytes of each part that ran to the end
+        self.raised = 0  # parts stopped by the budget
 
     @contextlib.contextmanager
     def part(self, info=None):
@@ -40,7 +40,5 @@ class SimulatedDeviceMemory:
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            try:
-                yield self
-            finally:
-                self.peaks.append(state["bytes"])
+            yield self
+        self.peaks.append(state["bytes"])

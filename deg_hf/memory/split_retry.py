@@ -164,8 +164,10 @@ class SplitRetryEngine:
         uids = trainer._deg_uids(w.batches[m], b)
         queue = [list(p) for p in self._plan(inputs, active, w.batches[m].get("deg_lengths"))]
         whole = mb.select(inputs, active, stacked) if active != list(range(b)) else inputs
+        prepared = False  # batch-level terms (KTO's KL) computed over the whole micro-batch
         if len(queue) > 1:
             trainer._deg_before_parts(model, whole)
+            prepared = True
         loss_total = None
         try:
             while queue:
@@ -189,6 +191,9 @@ class SplitRetryEngine:
                     if len(idx) == 1:
                         raise _Skip(idx[0], info, exc) from exc
                     self._count_retry(exc)
+                    if not prepared:
+                        trainer._deg_before_parts(model, whole)
+                        prepared = True
                     half = len(idx) // 2
                     queue[:0] = [idx[:half], idx[half:]]
                     continue
