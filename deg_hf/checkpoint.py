@@ -191,7 +191,9 @@ def _is_secret_key(key: str) -> bool:
     low = key.lower()
     if low in _SPECIAL_TOKEN_KEYS:
         return False
-    low = low.replace("tokenizer", "")
+    # "tokenizer_*" and "*_tokens_*" (token counts: include_num_input_tokens_seen, max_new_tokens) name
+    # no secret; a secret is one token ("hub_token", "api_token", "access_token")
+    low = low.replace("tokenizer", "").replace("tokens", "")
     return any(word in low for word in _SECRET_WORDS)
 
 
@@ -837,6 +839,88 @@ def _has_tokenizer(directory: Path) -> bool:
     return any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
+#: ``load(streamed=None)`` streams when the base weights exceed this fraction of free device memory
+STREAM_FREE_FRACTION = 0.8
+
+
+def _weight_bytes(directory: str | os.PathLike) -> int:
+    """Bytes of a checkpoint's safetensors weight files on disk (0 without any)."""
+    return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors"))
+
+
+def _should_stream(base_name: str, base_is_local: bool, revision: str | None, device: Any) -> bool:
+    """``streamed=None``: stream when the target device is a CUDA device and the base's weights
+    would take more than 80% of its free memory (never for a base without safetensors weights,
+    which cannot be streamed)."""
+    import torch
+
+    if device is None:
+        if not torch.cuda.is_available():
+            return False
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if base_is_local:
+        directory = base_name
+    else:
+        from deg_hf.streaming.store import StreamingError, resolve_checkpoint
+
+        try:
+            directory = resolve_checkpoint(base_name, revision)  # the weights are needed either way
+        except StreamingError:  # no safetensors weights: resident is the only way
+            return False
+    weights = _weight_bytes(directory)
+    if not weights:
+        return False
+    free, _total = torch.cuda.mem_get_info(device)
+    return weights > STREAM_FREE_FRACTION * free
+
+
+def _load_adapter_streamed(base, checkpoint: Path, device: Any):
+    """Wrap a streamed base in the checkpoint's LoRA adapter and load the adapter weights.
+
+    PEFT creates adapter parameters on their base layer's device, which is ``meta`` for streamed
+    decoder layers, and loading a state dict into a ``meta`` parameter silently does nothing. So
+    the adapter is created, given real storage on the runtime's device, then its weights are
+    loaded and checked one by one against the file.
+    """
+    import torch
+    from peft import MODEL_TYPE_TO_PEFT_MODEL_MAPPING, PeftConfig, PeftModel
+    from peft.utils import get_peft_model_state_dict, load_peft_weights, set_peft_model_state_dict
+
+    from deg_hf.streaming.build import materialize_adapters
+
+    config = PeftConfig.from_pretrained(str(checkpoint))
+    config.inference_mode = True
+    cls = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)
+    model = cls(base, config, "default")
+    materialize_adapters(model, device)
+    weights = load_peft_weights(str(checkpoint), device=str(device))
+    result = set_peft_model_state_dict(model, weights, adapter_name="default")
+    unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k or "modules_to_save" in k]
+    if unexpected:
+        raise DegJsonError(f"the adapter in {checkpoint} does not fit the base model: unexpected tensors {unexpected[:4]}")
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta and "lora_" in n]
+    if still_meta:
+        raise DegJsonError(f"adapter tensors were left without storage after loading: {still_meta[:4]}")
+    loaded = get_peft_model_state_dict(model, adapter_name="default")
+    if set(loaded) != set(weights):
+        missing = sorted(set(loaded) - set(weights))[:4]
+        extra = sorted(set(weights) - set(loaded))[:4]
+        raise DegJsonError(
+            f"the adapter in {checkpoint} does not match the model built for it (not in the file: {missing}; "
+            f"not in the model: {extra})"
+        )
+    for key, tensor in weights.items():
+        got = loaded[key]
+        if got.shape != tensor.shape or not torch.equal(got.detach().to(tensor.device, tensor.dtype), tensor):
+            raise DegJsonError(f"adapter tensor {key} did not load from {checkpoint}")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model
+
+
 def load(
     path_or_repo_id: str | os.PathLike,
     streamed: bool | None = None,
@@ -849,16 +933,22 @@ def load(
 ):
     """Load a deg_hf checkpoint (local directory or Hub repo id): returns ``(model, tokenizer)``.
 
-    The base model named in ``deg.json`` is loaded resident with ``AutoModelForCausalLM`` and the
-    adapter applied with ``peft.PeftModel``. The base's config is checked against the
-    ``config_sha256`` recorded at training time; a mismatch raises :class:`DegJsonError` unless
-    ``trust_config_mismatch=True``. ``base_model`` overrides where the base is loaded from (needed
-    when it was a local directory, which deg.json does not record, and PEFT's adapter_config.json
-    does not point at an existing directory either). ``revision`` and ``token`` apply to the Hub
-    download of the checkpoint.
+    The base model named in ``deg.json`` is loaded and the adapter applied with ``peft``:
+
+    * ``streamed=False``: resident, with ``AutoModelForCausalLM`` (on ``device`` when given, else
+      where ``from_pretrained`` puts it).
+    * ``streamed=True``: decoder layers stream from host memory to ``device`` (default: the
+      current CUDA device, else the CPU), as in training. The runtime is ``model._deg_stream_runtime``;
+      ``model._deg_stream_runtime.close()`` frees its host and device memory.
+    * ``streamed=None`` (default): streamed when the target is a CUDA device and the base's weight
+      files exceed 80% of its free memory, resident otherwise.
+
+    The base's config is checked against the ``config_sha256`` recorded at training time; a
+    mismatch raises :class:`DegJsonError` unless ``trust_config_mismatch=True``. ``base_model``
+    overrides where the base is loaded from (needed when it was a local directory, which deg.json
+    does not record, and PEFT's adapter_config.json does not point at an existing directory
+    either). ``revision`` and ``token`` apply to the Hub download of the checkpoint.
     """
-    if streamed:
-        raise NotImplementedError("streamed load lands with the streaming runtime")
     checkpoint = _resolve_checkpoint(path_or_repo_id, revision, token)
     record = read_deg_json(checkpoint)
     check_checkpoint(checkpoint)
@@ -880,14 +970,29 @@ def load(
                 f"trained on (sha256 {expected[:12]}): pass trust_config_mismatch=True to load it anyway"
             )
 
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     kwargs = {} if base_revision is None else {"revision": base_revision}
-    model = AutoModelForCausalLM.from_pretrained(base_name, **kwargs)
-    model = PeftModel.from_pretrained(model, str(checkpoint))
-    if device is not None:
-        model = model.to(device)
+    if streamed is None:
+        streamed = _should_stream(base_name, base_is_local, base_revision, device)
+    if streamed:
+        from deg_hf.streaming.build import build_streamed_model
+
+        base, runtime = build_streamed_model(base_name, device=device, revision=base_revision, progress=False)
+        try:
+            model = _load_adapter_streamed(base, checkpoint, runtime.device)
+        except BaseException:
+            runtime.close()
+            raise
+        model._deg_stream_runtime = runtime
+    else:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(base_name, **kwargs)
+        model = PeftModel.from_pretrained(model, str(checkpoint))
+        if device is not None:
+            model = model.to(device)
     model.eval()
     tok_source = str(checkpoint) if _has_tokenizer(checkpoint) else base_name
     tokenizer = AutoTokenizer.from_pretrained(tok_source, **({} if tok_source == str(checkpoint) else kwargs))

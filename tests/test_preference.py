@@ -29,10 +29,11 @@ REFERENCE_USING = ("dpo", "kto")
 
 
 def build(task, path, out, *, stream=True, rows=16, **overrides):
-    import deg_hf
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer
+
+    import deg_hf
 
     trainer_name, config_name, make_rows = TASKS[task]
     config = getattr(deg_hf, config_name)(

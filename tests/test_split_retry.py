@@ -20,10 +20,11 @@ TASKS = {
 
 
 def build(task, path, out, rows=12, **overrides):
-    import deg_hf
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer
+
+    import deg_hf
 
     trainer_name, config_name, make_rows = TASKS[task]
     kwargs = trainer_kwargs(str(out), max_length=32, max_steps=1, gradient_accumulation_steps=2,

@@ -34,7 +34,7 @@ class SimulatedDeviceMemory:
                 if state["bytes"] > self.budget_bytes:
                     self.raised += 1
                     raise torch.OutOfMemoryError(
-                        f"CUDA out of memory (simulated): {state['bytes']} bytes of saved activations "
+                        f"CUDA out of memory. (simulated) {state['bytes']} bytes of saved activations "
                         f"exceed the simulated budget of {self.budget_bytes} bytes"
                     )
             return tensor

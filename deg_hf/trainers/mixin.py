@@ -104,6 +104,9 @@ class StreamingSetupMixin:
                 # adapters on streamed layers were created on `meta` (their base layer's device)
                 materialize_adapters(self.model, self.stream_runtime.device)
             self._deg_setup_memory(settings)
+            from deg_hf.trainers.records import DegCheckpointCallback
+
+            self.add_callback(DegCheckpointCallback(self))
         except BaseException:
             self.release_stream()
             raise
@@ -377,12 +380,23 @@ class StreamingSetupMixin:
         if runtime is not None:
             runtime.close()
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        from deg_hf.trainers.records import restore_from_checkpoint
+
         try:
-            return super().train(*args, **kwargs)
+            # a resumed run plans like the run that saved it: calibration and counters from deg.json
+            restore_from_checkpoint(self, resume_from_checkpoint)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException:
             self.release_stream()
             raise
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        super().save_model(output_dir, _internal_call)
+        from deg_hf.trainers.records import write_checkpoint_files
+
+        # a save inside training logs a failure to write deg.json instead of stopping the run
+        write_checkpoint_files(self, output_dir or self.args.output_dir, strict=not _internal_call)
 
 
 def _is_peft_model(model) -> bool:

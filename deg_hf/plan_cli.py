@@ -1,0 +1,256 @@
+"""``deg-hf plan``: estimate device memory for a LoRA run, resident and streamed, from config.json alone.
+
+Reads the model's ``config.json`` (a local directory, a path to the file, or a Hub id: only that
+one file is downloaded), never its weights, and needs no GPU. Every number comes from
+:mod:`deg_hf.memory.planner` (the formulas are in its module docstring):
+
+* weights and adapter state: :func:`~deg_hf.memory.planner.static_breakdown` with bf16 weights,
+  fp32 LoRA parameters, their fp32 gradients and AdamW's two fp32 moments;
+* activations: :meth:`~deg_hf.memory.planner.MemPlanner.estimate` of one micro-batch of
+  ``batch x rows_per_example`` rows of ``max_length`` tokens (gradient checkpointing on, as in
+  TRL's configs and always under streaming; sdpa attention; TRL's fused LM head for DPO and KTO);
+* the largest batch: :meth:`~deg_hf.memory.planner.MemPlanner.largest_batch` under the same target.
+
+This module imports no torch, transformers, PEFT or TRL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+__all__ = ["ROWS_PER_EXAMPLE", "FUSED_LM_HEAD_TASKS", "STREAM_BUFFERS", "read_config", "plan", "format_plan", "run"]
+
+#: sequences one example puts through the model (chosen and rejected for the pair losses)
+ROWS_PER_EXAMPLE = {"sft": 1, "kto": 1, "dpo": 2, "orpo": 2, "simpo": 2}
+#: tasks whose TRL trainer scores completions with its fused (tiled) LM head
+FUSED_LM_HEAD_TASKS = ("dpo", "kto")
+#: decoder layers on the device at once under streaming (StreamConfig's default)
+STREAM_BUFFERS = 2
+WEIGHT_DTYPE_BYTES = 2  # bf16
+TRAINABLE_DTYPE_BYTES = 4  # PEFT keeps LoRA parameters in fp32
+OPTIMIZER = "adamw"
+ATTENTION = "sdpa"
+FORMULA_SOURCE = "deg_hf.memory.planner (module docstring: static_breakdown for weights, estimate for activations)"
+
+_GIB = 1 << 30
+
+
+def read_config(model: str) -> tuple[dict, str]:
+    """``(config dict, where it was read)``: ``model``'s config.json, never its weights.
+
+    ``model`` is a local model directory, a path to a config.json, or a Hub model id (only
+    ``config.json`` is downloaded). Bad input raises ``ValueError``; a Hub that cannot be reached
+    raises ``OSError``.
+    """
+    expanded = os.path.expanduser(str(model))
+    if os.path.isdir(expanded):
+        path = os.path.join(expanded, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"{model} has no config.json: give a model directory, its config.json or a Hub model id")
+        source = model
+    elif os.path.isfile(expanded):
+        if not expanded.endswith(".json"):
+            raise ValueError(f"{model} is a file but not a config.json: give the model directory or its config.json")
+        path, source = expanded, model
+    else:
+        from deg_hf.checkpoint import looks_like_repo_id
+
+        if not looks_like_repo_id(str(model)):
+            raise ValueError(f"{model} is neither a local model directory nor a Hub model id")
+        path = _download_config(str(model))
+        source = f"{model} (Hub)"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the config.json of {model} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"the config.json of {model} is not UTF-8 text") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"the config.json of {model} does not hold a JSON object")
+    return config, source
+
+
+def _download_config(repo_id: str) -> str:
+    import huggingface_hub
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        return huggingface_hub.hf_hub_download(repo_id, "config.json")
+    except LocalEntryNotFoundError:
+        raise OSError(
+            f"cannot download the config.json of {repo_id}: the Hub is unreachable (or HF_HUB_OFFLINE is set) "
+            "and it is not in the local cache"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"{repo_id} is not a Hub model repo you can access (private or gated: log in)") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"Hub repo {repo_id} has no main revision") from None
+    except EntryNotFoundError:
+        raise ValueError(f"Hub repo {repo_id} has no config.json: is it a model repo?") from None
+
+
+def _check_inputs(task: str, batch: Any, max_length: Any, vram: Any, lora_r: Any) -> None:
+    if task not in ROWS_PER_EXAMPLE:
+        raise ValueError(f"--task must be one of {', '.join(ROWS_PER_EXAMPLE)}, got {task!r}")
+    for name, value in (("--batch", batch), ("--max-length", max_length), ("--lora-r", lora_r)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    if isinstance(vram, bool) or not isinstance(vram, (int, float)) or not math.isfinite(vram) or vram <= 0:
+        raise ValueError(f"--vram must be a positive number of GiB, got {vram!r}")
+
+
+def plan(config: dict, *, task: str, batch: int, max_length: int, vram: float, lora_r: int) -> dict:
+    """The numbers ``deg-hf plan`` prints, in bytes: one entry per setup (``resident``, ``streamed``).
+
+    Each setup has ``resident_weights``, ``layers_in_flight``, ``adapter_state`` (adapters +
+    gradients + optimizer), ``activations`` (the whole batch as one micro-batch), ``total``,
+    ``fits`` (``total <= target``), ``largest_batch`` and ``parts`` (micro-batches a step of
+    ``batch`` examples needs, None when not even one example fits).
+    """
+    from deg_hf.memory.planner import (
+        MemPlanner,
+        layer_param_count,
+        lora_param_count,
+        model_dims,
+        static_breakdown,
+    )
+
+    _check_inputs(task, batch, max_length, vram, lora_r)
+    dims = model_dims(config)
+    rows = ROWS_PER_EXAMPLE[task]
+    fused = task in FUSED_LM_HEAD_TASKS
+    lora = lora_param_count(dims, lora_r, "all-linear")
+    target = int(vram * _GIB)
+    out: dict[str, Any] = {
+        "task": task,
+        "batch": batch,
+        "max_length": max_length,
+        "lora_r": lora_r,
+        "rows_per_example": rows,
+        "target_bytes": target,
+        "lora_params": lora,
+        "params": dims.vocab * dims.hidden * (1 if dims.tie_word_embeddings else 2) + dims.hidden
+        + dims.layers * layer_param_count(dims),
+        "dims": dims,
+        "fused_lm_head": fused,
+        "stream_buffers": STREAM_BUFFERS,
+    }
+    for name, streaming in (("resident", False), ("streamed", True)):
+        static = static_breakdown(
+            dims,
+            streaming=streaming,
+            stream_buffers=STREAM_BUFFERS,
+            lora_params=lora,
+            optimizer=OPTIMIZER,
+            dtype_bytes=WEIGHT_DTYPE_BYTES,
+            trainable_dtype_bytes=TRAINABLE_DTYPE_BYTES,
+        )
+        static_total = sum(static.values())
+        planner = MemPlanner(
+            target,
+            static_total,
+            model_config=dims,
+            min_rows=rows,
+            checkpointing=True,
+            streaming=streaming,
+            fused_lm_head=fused,
+            dtype_bytes=WEIGHT_DTYPE_BYTES,
+            attn_implementation=ATTENTION,
+        )
+        features = planner.features_of(batch * rows, max_length, batch * rows * max_length)
+        activations = planner.estimate(features)
+        largest = planner.largest_batch(max_length, rows, max_examples=max(4096, batch))
+        entry = {
+            "resident_weights": static["resident"],
+            "layers_in_flight": static["layers"],
+            "adapter_state": static["adapters"] + static["grads"] + static["optimizer"],
+            "static": static_total,
+            "activations": activations,
+            "total": static_total + activations,
+            "fits": planner.fits(features),
+            "largest_batch": largest,
+            "parts": math.ceil(batch / largest) if largest else None,
+        }
+        if task == "kto":
+            # TRL's KTO also runs a no-grad forward over mismatched (prompt, completion) pairs for its KL
+            # term: one more row per example, whose activations are not kept for the backward pass
+            kl = planner.features_of(batch * 2 * rows, max_length, batch * 2 * rows * max_length)
+            entry["total_with_kl_rows"] = static_total + planner.estimate(kl)
+        out[name] = entry
+    return out
+
+
+def _gib(value: int) -> str:
+    return f"{value / _GIB:.2f} GiB"
+
+
+def format_plan(result: dict, source: str) -> str:
+    """The table ``deg-hf plan`` prints."""
+    d = result["dims"]
+    task, batch, rows, length = result["task"], result["batch"], result["rows_per_example"], result["max_length"]
+    res, st = result["resident"], result["streamed"]
+    target = result["target_bytes"]
+    lines = [
+        f"deg-hf plan: {source} (config.json only; no weights read)",
+        f"model:   {d.layers} layers, hidden {d.hidden}, MLP {d.intermediate}, {d.heads} heads ({d.kv_heads} key/value), "
+        f"vocab {d.vocab}, {result['params'] / 1e9:.2f} B parameters",
+        f"run:     {task}, batch {batch} example(s) x {rows} row(s) x {length} tokens; LoRA r={result['lora_r']} on all "
+        f"linear projections ({result['lora_params'] / 1e6:.2f} M parameters)",
+        "assumes: bf16 weights, fp32 LoRA parameters/gradients, AdamW (two fp32 moments), gradient checkpointing, "
+        f"{ATTENTION} attention, {'TRL fused LM head' if result['fused_lm_head'] else 'full LM head'}, "
+        f"{result['stream_buffers']} layers in flight when streaming",
+        f"budget:  {_gib(target)} (--vram)",
+        "",
+    ]
+    rows_out = [
+        ("component", "resident", "streamed"),
+        ("resident weights (embeddings, norm, LM head)", _gib(res["resident_weights"]), _gib(st["resident_weights"])),
+        (f"decoder layers in flight ({d.layers} vs {min(result['stream_buffers'], d.layers)})",
+         _gib(res["layers_in_flight"]), _gib(st["layers_in_flight"])),
+        ("adapters + grads + optimizer", _gib(res["adapter_state"]), _gib(st["adapter_state"])),
+        (f"activations (batch {batch} as one micro-batch)", _gib(res["activations"]), _gib(st["activations"])),
+        ("estimated peak", _gib(res["total"]), _gib(st["total"])),
+        (f"batch {batch} fits {target / _GIB:g} GiB", "yes" if res["fits"] else "no", "yes" if st["fits"] else "no"),
+        ("largest per-device batch that fits", str(res["largest_batch"]), str(st["largest_batch"])),
+        (f"micro-batches per step of {batch}",
+         str(res["parts"]) if res["parts"] else "-", str(st["parts"]) if st["parts"] else "-"),
+    ]
+    width = max(len(r[0]) for r in rows_out) + 2
+    for label, a, b in rows_out:
+        lines.append(f"{label:<{width}}{a:>12}  {b:>12}")
+    lines.append("")
+    if task == "kto":
+        lines.append(
+            "note: KTO also runs a no-grad forward over mismatched pairs for its KL term (one more row per example, "
+            "activations not kept); charging it as a full row: resident "
+            f"{_gib(res['total_with_kl_rows'])}, streamed {_gib(st['total_with_kl_rows'])}. "
+            "KTO needs a per-device batch >= 2."
+        )
+    for name, entry in (("resident", res), ("streamed", st)):
+        if entry["largest_batch"] == 0:
+            if entry["static"] > target:
+                why = f"its weights and adapter state alone need {_gib(entry['static'])}"
+            else:
+                why = f"one example's activations need more than the {_gib(target - entry['static'])} left"
+            lines.append(f"{name}: does not fit even one example: {why}")
+    lines.append(f"formulas: {FORMULA_SOURCE}; estimates are upper bounds before calibration (scale 1.0)")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    """``deg-hf plan MODEL``: print the plan; 0 when it was computed (bad input raises ValueError)."""
+    config, source = read_config(args.model)
+    result = plan(
+        config, task=args.task, batch=args.batch, max_length=args.max_length, vram=args.vram, lora_r=args.lora_r
+    )
+    print(format_plan(result, source))
+    return 0
