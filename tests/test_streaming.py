@@ -400,3 +400,14 @@ def test_loaded_model_is_rebuilt_streamed_from_its_files(checkpoint, tmp_path):
     )
     assert trainer.stream_runtime is not None
     assert trainer.model.base_model.model is not loaded
+
+
+def test_streaming_under_fsdp_or_deepspeed_is_refused(checkpoint, tmp_path, monkeypatch):
+    from deg_hf import StreamedSFTConfig, StreamedSFTTrainer
+    from deg_hf.streaming import store
+
+    before = store.CONSTRUCTED
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="cannot run under FSDP.*stream_layers false"):
+        StreamedSFTTrainer(model=checkpoint("llama"), args=StreamedSFTConfig(**trainer_kwargs(str(tmp_path))))
+    assert store.CONSTRUCTED == before

@@ -83,6 +83,7 @@ class StreamingSetupMixin:
             )
         if settings.stream_layers:
             _refuse_base_reading_peft(peft_config)
+            _refuse_sharded_engines(config)
         self.deg_preflight = self._deg_preflight(model, config, settings, peft_config)
         model = self._deg_build_model(model, config, settings)
         try:
@@ -397,6 +398,22 @@ class StreamingSetupMixin:
 
         # a save inside training logs a failure to write deg.json instead of stopping the run
         write_checkpoint_files(self, output_dir or self.args.output_dir, strict=not _internal_call)
+
+
+def _refuse_sharded_engines(args) -> None:
+    import os
+
+    fsdp = bool(getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    deepspeed = bool(getattr(args, "deepspeed", None)) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in (
+        "1", "true")
+    if fsdp or deepspeed:
+        engine = "FSDP" if fsdp else "DeepSpeed"
+        raise ValueError(
+            f"stream_layers=True cannot run under {engine}: streaming serves one device per process from "
+            f"host memory, while {engine} shards the resident weights across devices. Pass "
+            "--stream_layers false to train resident and sharded by that engine (the planner, split-retry, "
+            "the adapter-off reference and deg.json still apply), or launch without it to stream."
+        )
 
 
 def _is_peft_model(model) -> bool:
