@@ -392,6 +392,24 @@ class StreamingSetupMixin:
             self.release_stream()
             raise
 
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, **kwargs):
+        """Save, then upload the adapter, tokenizer files, deg.json and the model card with
+        :func:`deg_hf.hub.push_checkpoint` (never optimizer state, never ``training_args.bin``)."""
+        import os
+
+        from deg_hf.hub import push_checkpoint
+
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
+        return push_checkpoint(
+            self.args.output_dir, repo_id, private=bool(self.args.hub_private_repo),
+            revision=revision or self.args.hub_revision, token=token or self.args.hub_token,
+            commit_message=commit_message,
+        )
+
     def save_model(self, output_dir=None, _internal_call=False):
         super().save_model(output_dir, _internal_call)
         from deg_hf.trainers.records import write_checkpoint_files

@@ -1,0 +1,81 @@
+"""The recipes run end to end on the embedded tiny model (two steps each), and plot_run.py draws a log."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FAST = ["--max_steps", "2", "--report_to", "none", "--logging_steps", "1", "--per_device_train_batch_size", "4",
+        "--disable_tqdm", "true"]
+
+
+def run_recipe(name: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, str(REPO / "recipes" / f"{name}.py"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_saved(proc: subprocess.CompletedProcess, out: Path) -> None:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("deg.json", "adapter_model.safetensors", "README.md", "train.log.jsonl"):
+        assert (out / name).is_file(), f"{name} missing from {sorted(os.listdir(out))}"
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "orpo", "simpo"])
+def test_recipe_runs_without_config(name, tmp_path):
+    out = tmp_path / name
+    assert_saved(run_recipe(name, *FAST, "--output_dir", str(out)), out)
+
+
+def test_kto_recipe_yaml_with_overrides(tmp_path):
+    out = tmp_path / "kto"
+    proc = run_recipe("kto", "--config", "recipes/configs/kto.yaml", "--max_steps", "2", "--output_dir", str(out),
+                      "--per_device_train_batch_size", "4", "--disable_tqdm", "true")
+    assert_saved(proc, out)
+    # the YAML's LoRA settings reached the adapter
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["r"] == 8 and adapter["lora_alpha"] == 16
+
+
+def test_configs_parse():
+    import yaml
+
+    for name in ("sft", "dpo", "kto", "orpo", "simpo"):
+        config = yaml.safe_load((REPO / "recipes" / "configs" / f"{name}.yaml").read_text())
+        assert config["stream_layers"] is True and config["use_peft"] is True
+    for name in ("single_device", "multi_gpu_ddp", "fsdp2", "deepspeed_zero3"):
+        config = yaml.safe_load((REPO / "recipes" / "accelerate" / f"{name}.yaml").read_text())
+        assert config["compute_environment"] == "LOCAL_MACHINE"
+    assert yaml.safe_load((REPO / "recipes/accelerate/fsdp2.yaml").read_text())["fsdp_config"]["fsdp_version"] == 2
+    ds = yaml.safe_load((REPO / "recipes/accelerate/deepspeed_zero3.yaml").read_text())
+    assert ds["deepspeed_config"]["zero_stage"] == 3
+
+
+def test_plot_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import plot_run
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    rows = [{"event": "mem_plan", "step": 0, "streaming": True}]
+    rows += [{"step": s, "loss": 0.7 - 0.05 * s, "rewards/margins": 0.1 * s, "est_peak_gib": 1.5, "peak_gib": 1.2 + 0.01 * s}
+             for s in range(1, 11)]
+    (tmp_path / "train.log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_run.main([str(tmp_path)]) == 0
+    png = tmp_path / "run.png"
+    assert png.is_file() and png.stat().st_size > 1000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # no train.log.jsonl: trainer_state.json's log_history, to the --out path
+    other = tmp_path / "state"
+    other.mkdir()
+    (other / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.9}]}))
+    assert plot_run.main([str(other), "--out", str(tmp_path / "b.png")]) == 0
+    assert (tmp_path / "b.png").stat().st_size > 1000
