@@ -29,7 +29,7 @@ demo: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py
 
 lint: $(VENV)/.installed-test
-	$(VENV)/bin/ruff check deg_hf tests scripts recipes
+	$(VENV)/bin/ruff check deg_hf tests scripts $(wildcard recipes)
 
 test: $(VENV)/.installed-test lint
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest tests
