@@ -41,7 +41,7 @@ class StreamConfig:
     )
     mem_target_gb: float | None = field(
         default=None,
-        metadata={"help": "Device-memory target in GB for planning micro-batches. None: 90% of the "
+        metadata={"help": "Device-memory target in GB for planning micro-batches. None: 90 percent of the "
                   "device's memory on CUDA, unlimited on CPU."},
     )
     mem_plan: bool = field(
