@@ -14,7 +14,7 @@ $(VENV)/bin/python:
 
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e ".[plot]"
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
