@@ -12,39 +12,17 @@ embedded "preference" view (prompt/chosen/rejected). Without --use_peft deg_hf t
 LoRA adapter.
 """
 
-import torch
-from datasets import load_dataset
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
+from trl import get_peft_config
 
-from deg_hf import SimPOConfig, StreamedSimPOTrainer, assets
+from deg_hf import SimPOConfig, StreamedSimPOTrainer
+from deg_hf.recipe_utils import load_data, parse_args
 
 RECIPE, VIEW = "simpo", "preference"
 
 
-def load_data(script_args):
-    """(train, eval or None): the embedded view when no --dataset_name is given."""
-    if script_args.dataset_name is None:
-        return assets.tiny_dataset(VIEW, "train"), assets.tiny_dataset(VIEW, "test")
-    data = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
-    return data[script_args.dataset_train_split], data.get(script_args.dataset_test_split)
-
-
 def main(argv=None):
-    parser = TrlParser((ScriptArguments, SimPOConfig, ModelConfig))
-    parser.set_defaults(dtype="auto")  # load in the checkpoint's own dtype, not TRL's float32
-    if not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
-        parser.set_defaults(bf16=False)  # TRL defaults to bf16, which a CPU-only machine refuses
-    script_args, training_args, model_args = parser.parse_args_and_config(argv)
-    if training_args.output_dir in (None, "trainer_output"):  # the TRL/transformers default
-        training_args.output_dir = f"outputs/{RECIPE}"
-    model_args.model_name_or_path = model_args.model_name_or_path or assets.tiny_model_path()
-    init_kwargs = {"revision": model_args.model_revision, "attn_implementation": model_args.attn_implementation,
-                   "dtype": model_args.dtype}
-    init_kwargs = {k: v for k, v in init_kwargs.items() if v not in (None, "main", "auto")}
-    if init_kwargs:
-        training_args.model_init_kwargs = {**init_kwargs, **(training_args.model_init_kwargs or {})}
-
-    train_dataset, eval_dataset = load_data(script_args)
+    script_args, training_args, model_args = parse_args(SimPOConfig, RECIPE, argv)
+    train_dataset, eval_dataset = load_data(script_args, VIEW)
     trainer = StreamedSimPOTrainer(
         model=model_args.model_name_or_path,
         args=training_args,
