@@ -95,6 +95,7 @@ class SplitRetryEngine:
         self.window: _Window | None = None
         self.all_skipped_steps = 0
         self.last_estimate = 0
+        self._step_retries: dict[int, int] = {}  # optimizer step -> retries (bounded by oom_max_splits)
 
     # ------------------------------------------------------------------ trainer hooks
     def begin_window(self, batches: list) -> None:
@@ -246,18 +247,14 @@ class SplitRetryEngine:
 
     def _count_retry(self, exc) -> None:
         self.counters.oom_retry += 1
+        step = self.trainer.state.global_step
+        self._step_retries[step] = self._step_retries.get(step, 0) + 1
         limit = self.trainer.deg_stream.oom_max_splits
-        if self.counters.oom_retry - self._retries_at_step_start() > limit:
+        if self._step_retries[step] > limit:
             raise RuntimeError(
                 f"out of memory {limit} times in one optimizer step (oom_max_splits={limit}); "
                 "lower per_device_train_batch_size or max_length, or raise oom_max_splits"
             ) from exc
-
-    def _retries_at_step_start(self) -> int:
-        step = self.trainer.state.global_step
-        if getattr(self, "_retry_step", None) != step:
-            self._retry_step, self._retry_base = step, self.counters.oom_retry - 1
-        return self._retry_base
 
     def _record_skip(self, skip: _Skip) -> None:
         self.counters.oom_skip += 1

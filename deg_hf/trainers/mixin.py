@@ -265,7 +265,8 @@ class StreamingSetupMixin:
             )
         if self.data_collator is not None and not isinstance(self.data_collator, MemoryPlanningCollator):
             self.data_collator = MemoryPlanningCollator(self.data_collator, stacked_pairs=self.deg_stacked_pairs)
-        self.add_callback(MemoryPlanCallback(self))
+        self._deg_plan_callback = MemoryPlanCallback(self)
+        self.add_callback(self._deg_plan_callback)
 
     @property
     def deg_counters(self) -> dict:
@@ -369,8 +370,7 @@ class StreamingSetupMixin:
     def log(self, logs, *args, **kwargs):
         engine = getattr(self, "deg_engine", None)
         if engine is not None and "loss" in logs:
-            callback = next(c for c in self.callback_handler.callbacks if type(c).__name__ == "MemoryPlanCallback")
-            logs.update(callback.counters_since_last_log())
+            logs.update(self._deg_plan_callback.counters_since_last_log())
         return super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ lifetime
