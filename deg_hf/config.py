@@ -71,6 +71,18 @@ class StreamConfig:
 STREAM_FIELDS = tuple(f.name for f in fields(StreamConfig))
 
 
+@dataclass
+class PrefixSharingConfig:
+    """The shared-prefix field of the paired preference configs (DPO, ORPO, SimPO)."""
+
+    prefix_sharing: bool = field(
+        default=True,
+        metadata={"help": "Run each prompt once per pair: [prompt | chosen | rejected] as one sequence with a "
+                  "tree attention mask. Falls back to the ordinary forward, saying why once, where the mask "
+                  "cannot be honoured."},
+    )
+
+
 def validate_stream_settings(cfg) -> None:
     if int(getattr(cfg, "stream_buffers", 2)) < 1:
         raise ValueError(
@@ -111,7 +123,7 @@ def _lazy_config_classes():
         """TRL's ``SFTConfig`` with the deg_hf stream and memory fields."""
 
     @dataclass
-    class StreamedDPOConfig(StreamConfig, DPOConfig):
+    class StreamedDPOConfig(StreamConfig, PrefixSharingConfig, DPOConfig):
         """TRL's ``DPOConfig`` with the deg_hf stream and memory fields."""
 
     @dataclass
@@ -126,11 +138,11 @@ def _lazy_config_classes():
             super().__post_init__()
 
     @dataclass
-    class StreamedORPOConfig(StreamConfig, ORPOConfig):
+    class StreamedORPOConfig(StreamConfig, PrefixSharingConfig, ORPOConfig):
         """TRL's ``ORPOConfig`` (``trl.experimental.orpo``) with the deg_hf stream and memory fields."""
 
     @dataclass
-    class SimPOConfig(StreamConfig, CPOConfig):
+    class SimPOConfig(StreamConfig, PrefixSharingConfig, CPOConfig):
         """SimPO as TRL's CPO trainer runs it: ``loss_type="simpo"`` with no behaviour-cloning term
         (``cpo_alpha=0``), and the SimPO paper's ``beta=2.0`` and ``simpo_gamma=0.5`` (gamma/beta
         ratio 0.25) as defaults."""

@@ -60,7 +60,8 @@ def policy_logps_dpo(trainer, batch):
     """The policy's summed completion log-probs, computed like TRL's reference path but with the adapter on."""
     kwargs = {k: v for k, v in batch.items() if k not in {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}}
     labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
-    with torch.no_grad():
+    # the same backbone path as the trainer's reference pass (packed when prefix sharing is on)
+    with torch.no_grad(), trainer._deg_pairs(trainer._deg_prompt_lens(batch)):
         out = trainer.model(**kwargs, use_cache=False, labels=labels, fused_lm_head=True).log_probs
     return out[:, -(batch["completion_mask"].size(1) - 1):].sum(1).chunk(2)
 

@@ -18,13 +18,13 @@ def _gib(n) -> float:
 
 class MemoryPlanCallback(TrainerCallback):
     """Writes a ``mem_plan`` event at train start, one line per logged step with the counters
-    ``parts``, ``oom_retry``, ``oom_skip`` (since the previous log), ``est_peak_gib`` and, on CUDA,
+    ``parts``, ``oom_retry``, ``oom_skip``, ``trunk_forks`` (since the previous log), ``est_peak_gib`` and, on CUDA,
     ``peak_gib``, and one ``oom_skip`` event per skipped example; skips the optimizer and scheduler
     step of an accumulation window whose every example was skipped."""
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self._last = {"parts": 0, "oom_retry": 0, "oom_skip": 0}
+        self._last = {"parts": 0, "oom_retry": 0, "oom_skip": 0, "trunk_forks": 0}
 
     # -- file
     def _write(self, args, state, row: dict) -> None:

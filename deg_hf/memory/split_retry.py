@@ -80,11 +80,12 @@ class Counters:
     parts: int = 0
     oom_retry: int = 0
     oom_skip: int = 0
+    trunk_forks: int = 0  # single pairs rescued by running their prompt and completions apart
     skipped: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"parts": self.parts, "oom_retry": self.oom_retry, "oom_skip": self.oom_skip,
-                "skipped": list(self.skipped)}
+                "trunk_forks": self.trunk_forks, "skipped": list(self.skipped)}
 
 
 class SplitRetryEngine:
@@ -190,7 +191,12 @@ class SplitRetryEngine:
                     del before
                     _free_device_cache()
                     if len(idx) == 1:
-                        raise _Skip(idx[0], info, exc) from exc
+                        loss = self._run_trunk_forks(part, num_items, weight, info, run_part)
+                        if loss is None:
+                            raise _Skip(idx[0], info, exc) from exc
+                        self.counters.parts += 1
+                        loss_total = loss if loss_total is None else loss_total + loss
+                        continue
                     self._count_retry(exc)
                     if not prepared:
                         trainer._deg_before_parts(model, whole)
@@ -204,6 +210,26 @@ class SplitRetryEngine:
             trainer._deg_after_parts()
         return loss_total
 
+    def _run_trunk_forks(self, part, num_items, weight, info, run_part):
+        """A single pair that ran out of memory packed runs once more as its prompt (trunk) and its
+        completions (forks) separately, when the trainer shares prefixes; None when that is not
+        possible or runs out of memory too."""
+        sharing = getattr(self.trainer, "deg_prefix", None)
+        if sharing is None or not sharing.available or sharing.mode != "packed":
+            return None
+        before = self._grads()
+        try:
+            with sharing.use_mode("trunk_forks"):
+                loss = run_part(part, num_items, weight, info)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            self._restore(before)
+            _free_device_cache()
+            return None
+        self.counters.trunk_forks += 1
+        return loss
+
     # ------------------------------------------------------------------ helpers
     def _plan(self, inputs, active, lengths=None) -> list[list[int]]:
         planner = self.trainer.deg_planner
@@ -213,7 +239,12 @@ class SplitRetryEngine:
 
         if lengths is None:
             lengths = mb.row_lengths(inputs, self.trainer.deg_stacked_pairs)
-        examples = [Example(i, lengths[i]) for i in active]
+        shared = self.trainer._deg_shared_prompt_lens(inputs)
+        if shared is not None:
+            # packed: one row of prompt + chosen + rejected per pair (P + C + R, not 2P + C + R)
+            examples = [Example(i, (sum(lengths[i]) - shared[i],), prompt_len=shared[i] or None) for i in active]
+        else:
+            examples = [Example(i, lengths[i]) for i in active]
         parts = planner.plan(examples)
         self.last_estimate = max((p.estimate for p in parts), default=0)
         return [list(p.indices) for p in parts]

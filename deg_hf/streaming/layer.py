@@ -61,9 +61,11 @@ class LayerStream:
                 layer.gradient_checkpointing = previous
         if torch.is_grad_enabled():
             # a KV cache would be written twice (forward and recompute), as in transformers' own
-            # checkpointed layers: training does not use it
+            # checkpointed layers: training does not use one, except the prefix-sharing caches,
+            # which are built to be replayed (``deg_replay_safe``)
             for key in _CACHE_KWARGS:
-                if kwargs.get(key) is not None:
+                value = kwargs.get(key)
+                if value is not None and not getattr(value, "deg_replay_safe", False):
                     kwargs[key] = None
             if kwargs.get("use_cache"):
                 kwargs["use_cache"] = False

@@ -51,6 +51,8 @@ class StreamingSetupMixin:
     #: what the loss averages over within a micro-batch when it is not normalised by
     #: num_items_in_batch: "tokens" (causal-LM loss) or "examples" (preference losses)
     deg_loss_unit: str = "tokens"
+    #: paired losses whose chosen and rejected rows share a prompt (deg_hf.prefix)
+    deg_prefix_capable: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -105,6 +107,7 @@ class StreamingSetupMixin:
                 # adapters on streamed layers were created on `meta` (their base layer's device)
                 materialize_adapters(self.model, self.stream_runtime.device)
             self._deg_setup_memory(settings)
+            self._deg_setup_prefix(config)
             from deg_hf.trainers.records import DegCheckpointCallback
 
             self.add_callback(DegCheckpointCallback(self))
@@ -267,6 +270,40 @@ class StreamingSetupMixin:
             self.data_collator = MemoryPlanningCollator(self.data_collator, stacked_pairs=self.deg_stacked_pairs)
         self._deg_plan_callback = MemoryPlanCallback(self)
         self.add_callback(self._deg_plan_callback)
+
+    def _deg_setup_prefix(self, args) -> None:
+        self.deg_prefix = None
+        if not self.deg_prefix_capable or not getattr(args, "prefix_sharing", True):
+            return
+        from deg_hf.prefix.sharing import PrefixSharing
+        from deg_hf.streaming.build import find_decoder_layers
+
+        def fault(phase):
+            if self.deg_fault_hook is not None and self._deg_part_info is not None:
+                self.deg_fault_hook(self._deg_part_info, phase)
+
+        resident = []
+        if self.stream_runtime is None:
+            try:
+                resident = list(find_decoder_layers(self.model)[1])
+            except Exception:  # noqa: BLE001 - only used to keep caches under checkpointing
+                resident = []
+        self.deg_prefix = PrefixSharing(self.model, fault=fault, resident_layers=resident)
+        if not self.deg_prefix.available:
+            self.deg_prefix.note_fallback(self.deg_prefix.reason)
+
+    def _deg_shared_prompt_lens(self, inputs) -> list[int] | None:
+        """Per example, the prompt length its rows share when this micro-batch runs packed
+        (prefix sharing on and possible), else None."""
+        return None
+
+    def _deg_pairs(self, prompt_lens):
+        """Paired rows inside this block share their prompt (when prefix sharing is on)."""
+        import contextlib
+
+        if getattr(self, "deg_prefix", None) is None or prompt_lens is None:
+            return contextlib.nullcontext()
+        return self.deg_prefix.pairs(prompt_lens)
 
     @property
     def deg_counters(self) -> dict:

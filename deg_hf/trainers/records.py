@@ -34,7 +34,7 @@ __all__ = [
 #: a planner target at or above this many bytes stands for "no target" (the CPU default)
 UNLIMITED_TARGET_BYTES = 1 << 60
 #: counters whose totals deg.json records (and a resume restores)
-COUNTER_KEYS = ("parts", "oom_retry", "oom_skip")
+COUNTER_KEYS = ("parts", "oom_retry", "oom_skip", "trunk_forks")
 # log_history keys that are bookkeeping, not metrics
 _NOT_METRICS = frozenset({"step", "epoch", "total_flos"})
 # datasets' packaged builders: their dataset_name is the file format, not a name
@@ -197,6 +197,9 @@ def memory_section(trainer) -> dict | None:
     if counters is not None:
         memory["totals"] = {key: int(counters.get(key, 0) or 0) for key in COUNTER_KEYS}
         memory["skipped_ids"] = list(counters.get("skipped", []) or [])
+    sharing = getattr(trainer, "deg_prefix", None)
+    if sharing is not None:
+        memory["prefix_sharing"] = sharing.summary()
     return memory
 
 

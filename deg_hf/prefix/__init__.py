@@ -1,0 +1,1 @@
+"""Shared-prefix preference forward: each prompt runs once per pair (see :mod:`.sharing`)."""
