@@ -12,7 +12,7 @@ embedded "sft" view (chat messages). Without --use_peft deg_hf trains its defaul
 from trl import get_peft_config
 
 from deg_hf import StreamedSFTConfig, StreamedSFTTrainer
-from deg_hf.recipe_utils import load_data, parse_args
+from deg_hf.recipe_utils import load_data, parse_args, print_summary
 
 RECIPE, VIEW = "sft", "sft"
 
@@ -33,6 +33,8 @@ def main(argv=None):
         trainer.log_metrics("eval", trainer.evaluate())
     if training_args.push_to_hub:
         trainer.push_to_hub()  # adapter, tokenizer, deg.json and card; never training_args.bin
+    if script_args.summary:
+        print_summary(trainer)  # table + OUTPUT_DIR/run.png
     trainer.release_stream()
 
 

@@ -15,7 +15,7 @@ LoRA adapter.
 from trl import get_peft_config
 
 from deg_hf import SimPOConfig, StreamedSimPOTrainer
-from deg_hf.recipe_utils import load_data, parse_args
+from deg_hf.recipe_utils import load_data, parse_args, print_summary
 
 RECIPE, VIEW = "simpo", "preference"
 
@@ -36,6 +36,8 @@ def main(argv=None):
         trainer.log_metrics("eval", trainer.evaluate())
     if training_args.push_to_hub:
         trainer.push_to_hub()  # adapter, tokenizer, deg.json and card; never training_args.bin
+    if script_args.summary:
+        print_summary(trainer)  # table + OUTPUT_DIR/run.png
     trainer.release_stream()
 
 

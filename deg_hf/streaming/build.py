@@ -79,6 +79,10 @@ def build_streamed_model(
         raise ValueError(f"stream_buffers must be >= 1 (one layer on the device at a time), got {stream_buffers}")
     local = resolve_checkpoint(name_or_path, revision)
     device = torch.device(device) if device is not None else default_device()
+    if device.type == "cpu":
+        # accelerate names the device of a multi-process CPU run ``cpu:0``; host tensors report plain
+        # ``cpu``, so ``Parameter.to("cpu:0")`` would hand back a copy that is no longer a Parameter
+        device = torch.device("cpu")
     config = AutoConfig.from_pretrained(local)
     dtype = dtype or checkpoint_dtype(config) or default_dtype(device)
     if getattr(config, "quantization_config", None):

@@ -424,6 +424,7 @@ class StreamingSetupMixin:
         try:
             # a resumed run plans like the run that saved it: calibration and counters from deg.json
             restore_from_checkpoint(self, resume_from_checkpoint)
+            _ddp_sees_only_trainable(self.model)
             return super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException:
             self.release_stream()
@@ -469,6 +470,19 @@ def _refuse_sharded_engines(args) -> None:
             "--stream_layers false to train resident and sharded by that engine (the planner, split-retry, "
             "the adapter-off reference and deg.json still apply), or launch without it to stream."
         )
+
+
+def _ddp_sees_only_trainable(model) -> None:
+    """Have DistributedDataParallel (multi-process runs) ignore every frozen parameter and buffer.
+
+    Frozen base weights (on ``meta`` for streamed layers) and buffers are the same on every rank by
+    construction: DDP then broadcasts and all-reduces the trainable adapter only. This is torch's
+    ``_ddp_params_and_buffers_to_ignore`` attribute, read when accelerate wraps the model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad]
+    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
 def _is_peft_model(model) -> bool:
