@@ -49,6 +49,11 @@ def main() -> None:
         return train(self, *args, **kwargs)
 
     StreamingSetupMixin.train = train_and_keep
+    if os.environ.get("DEG_TEST_RANK1_SINGLES") and rank == 1:
+        # this rank plans every example as its own part, so the ranks plan different part counts
+        from deg_hf.memory.split_retry import SplitRetryEngine
+
+        SplitRetryEngine._plan = lambda self, inputs, active, lengths=None: [[i] for i in active]
     sys.addaudithook(audit)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.argv = [os.path.join(repo, "recipes", f"{recipe}.py"), *argv]
@@ -61,7 +66,8 @@ def main() -> None:
     adapter = {n: p.detach().cpu().contiguous() for n, p in trainer.model.named_parameters() if p.requires_grad}
     save_file(adapter, os.path.join(record_dir, f"rank{rank}.safetensors"))
     record = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")), "writes": writes,
-              "global_step": trainer.state.global_step, "wrapper": type(trainer.model_wrapped).__name__}
+              "global_step": trainer.state.global_step, "wrapper": type(trainer.model_wrapped).__name__,
+              "counters": trainer.deg_counters}
     ignored = getattr(trainer.model_wrapped, "parameters_to_ignore", None)
     if ignored is not None:  # what DistributedDataParallel broadcasts and all-reduces
         module = trainer.model_wrapped.module

@@ -26,6 +26,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "mp_recipe.py"
 STEPS = 2
+# GiB, with max_length 40 (the rows of the first 16 pairs are ~34 tokens, so nothing is cut): the
+# pre-flight's worst-case pair fits, two packed pairs fit, four do not
+SPLIT_TARGET_GB = 0.068
 COMMON = ["--use_cpu", "true", "--max_steps", str(STEPS), "--report_to", "none", "--disable_tqdm", "true",
           "--logging_steps", "1", "--optim", "sgd", "--learning_rate", "1.0", "--lr_scheduler_type", "constant",
           "--max_grad_norm", "0", "--train_sampling_strategy", "sequential", "--seed", "0", "--max_length", "64"]
@@ -41,8 +44,8 @@ def _torchrun_available() -> bool:
 needs_torchrun = pytest.mark.skipif(not _torchrun_available(), reason="torchrun / gloo not available")
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TRL_EXPERIMENTAL_SILENCE="1",
+def _run(cmd: list[str], **extra_env) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **extra_env, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TRL_EXPERIMENTAL_SILENCE="1",
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
         env.pop(name, None)
@@ -56,13 +59,18 @@ def runs(tmp_path_factory):
     """Both runs, once: (root, {'two': (output_dir, {rank: record}), 'one': ...})."""
     root = tmp_path_factory.mktemp("mp")
     out = {}
-    for name, launcher, batch in (
-        ("two", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], 4),
-        ("one", [sys.executable], 8),
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    for name, launcher, batch, extra, env in (
+        ("two", torchrun, 4, [], {}),
+        ("one", [sys.executable], 8, [], {}),
+        # a memory target small enough that the planner splits micro-batches, and rank 1 planning
+        # every example apart: the ranks plan different numbers of parts unless they agree
+        ("split", torchrun, 4, ["--mem_target_gb", str(SPLIT_TARGET_GB), "--max_length", "40"],
+         {"DEG_TEST_RANK1_SINGLES": "1"}),
     ):
         output_dir, records = root / name, root / f"{name}-records"
         _run([*launcher, str(WORKER), str(records), "dpo", *COMMON, "--per_device_train_batch_size", str(batch),
-              "--output_dir", str(output_dir)])
+              "--output_dir", str(output_dir), *extra], **env)
         ranks = {}
         for path in sorted(records.glob("rank*.json")):
             record = json.loads(path.read_text())
@@ -125,7 +133,8 @@ def test_only_rank_zero_writes_one_checkpoint(runs):
     by_rank1 = sorted(str(p.relative_to(output_dir)) for p in output_dir.rglob("*")
                       if p.is_file() and p.stat().st_mode & stat.S_IWGRP)
     assert by_rank1 == [f"checkpoint-{STEPS}/rng_state_1.pth"], by_rank1
-    assert sorted(p.name for p in root.iterdir()) == ["one", "one-records", "two", "two-records"]
+    assert sorted(p.name for p in root.iterdir()) == ["one", "one-records", "split", "split-records", "two",
+                                                      "two-records"]
     checkpoints = sorted(p.name for p in output_dir.iterdir() if p.is_dir())
     assert checkpoints == [f"checkpoint-{STEPS}"]
 
@@ -154,3 +163,19 @@ def test_streamed_build_on_an_indexed_cpu_device():
         assert model.lm_head.weight is model.model.embed_tokens.weight
     finally:
         runtime.close()
+
+
+@needs_torchrun
+def test_planned_splits_agree_across_processes(runs):
+    """The ranks split their micro-batches into the same number of parts (TRL gathers metrics in
+    every part, and DDP synchronises once, on the last part's backward): the run completes and the
+    result is still the single process's on the doubled batch."""
+    _, out = runs
+    ranks, one = out["split"][1], out["one"][1][0]["adapter"]
+    assert sorted(ranks) == [0, 1]
+    parts = [ranks[r]["counters"]["parts"] for r in (0, 1)]
+    assert parts[0] == parts[1] == 4 * STEPS  # rank 1's four singles; rank 0 split its plan to match
+    assert ranks[0]["counters"]["oom_retry"] == 0
+    for name in one:
+        assert torch.equal(ranks[0]["adapter"][name], ranks[1]["adapter"][name]), name
+        torch.testing.assert_close(ranks[0]["adapter"][name], one[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -165,6 +165,9 @@ class SplitRetryEngine:
         total_units = None if token_mode else self._units(inputs, active)
         uids = trainer._deg_uids(w.batches[m], b)
         queue = [list(p) for p in self._plan(inputs, active, w.batches[m].get("deg_lengths"))]
+        data_parallel = self._world_size() > 1
+        if data_parallel:
+            queue = self._agree_on_parts(queue)
         whole = mb.select(inputs, active, stacked) if active != list(range(b)) else inputs
         prepared = False  # batch-level terms (KTO's KL) computed over the whole micro-batch
         if len(queue) > 1:
@@ -182,11 +185,22 @@ class SplitRetryEngine:
                                 tokens=mb.label_tokens(part, stacked))
                 weight = 1.0 if token_mode else self._units(inputs, idx) / total_units
                 before = self._grads()
+                # under DistributedDataParallel only the last part's backward synchronises (the
+                # accumulated gradient, as across an accumulation window)
+                sync = contextlib.nullcontext() if not (data_parallel and queue) else trainer.accelerator.no_sync(model)
                 try:
-                    loss = run_part(part, num_items, weight, info)
+                    with sync:
+                        loss = run_part(part, num_items, weight, info)
                 except Exception as exc:
                     if not is_oom(exc) or not trainer.deg_stream.oom_retry:
                         raise
+                    if data_parallel:
+                        raise RuntimeError(
+                            "out of memory in one process of a data-parallel run: the other processes "
+                            "cannot follow a retry they did not plan. Set mem_target_gb (or lower it) so "
+                            "the planner splits micro-batches ahead of time on every process, or lower "
+                            "per_device_train_batch_size / max_length."
+                        ) from exc
                     self._restore(before)
                     del before
                     _free_device_cache()
@@ -231,6 +245,31 @@ class SplitRetryEngine:
         return loss
 
     # ------------------------------------------------------------------ helpers
+    def _world_size(self) -> int:
+        accelerator = getattr(self.trainer, "accelerator", None)
+        return int(getattr(accelerator, "num_processes", 1) or 1)
+
+    def _agree_on_parts(self, queue: list[list[int]]) -> list[list[int]]:
+        """Every process runs the same number of parts: the trainers gather metrics inside each
+        part's loss and synchronise gradients in backward, collectives that must pair up. Parts
+        are split further (largest first) up to the largest count any process planned."""
+        import torch.distributed as dist
+
+        count = torch.tensor([len(queue)], device=self.trainer.args.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        target = int(count.item())
+        queue = [list(p) for p in queue]
+        while len(queue) < target:
+            i = max(range(len(queue)), key=lambda j: len(queue[j]))
+            if len(queue[i]) < 2:
+                raise RuntimeError(
+                    f"another process splits this micro-batch into {target} parts, more than the "
+                    f"{len(queue)} examples left here; lower per_device_train_batch_size or raise mem_target_gb"
+                )
+            half = len(queue[i]) // 2
+            queue[i:i + 1] = [queue[i][:half], queue[i][half:]]
+        return queue
+
     def _plan(self, inputs, active, lengths=None) -> list[list[int]]:
         planner = self.trainer.deg_planner
         if planner is None or not self.trainer.deg_stream.mem_plan:
