@@ -81,6 +81,11 @@ class PrefixSharingConfig:
                   "tree attention mask. Falls back to the ordinary forward, saying why once, where the mask "
                   "cannot be honoured."},
     )
+    group_by_prompt: bool = field(
+        default=False,
+        metadata={"help": "Shuffle prompts rather than pairs, so the pairs of one prompt (ranked data turned into "
+                  "pairs) share a micro-batch and its prompt runs once for all of them."},
+    )
 
 
 def validate_stream_settings(cfg) -> None:

@@ -360,3 +360,44 @@ def test_packed_pass_is_one_layer_sweep_like_the_ordinary_one(checkpoint, tmp_pa
     # reference forward + policy forward + the policy's recompute, packed or not
     assert fetches["on"] == fetches["off"] == 3 * n_layers
     assert on.deg_prefix.stats["packed_calls"] == 2
+
+
+def ranked_rows(prompts=4, pairs_per_prompt=3):
+    """Ranked responses turned into pairs: each prompt appears in several pairs."""
+    answers = [" sure good kind answer", " good answer please thanks", " bad rude no", " no"]
+    out = []
+    for p in range(prompts):
+        for k in range(pairs_per_prompt):
+            out.append({"prompt": LONG_PROMPTS[p], "chosen": answers[k], "rejected": answers[k + 1]})
+    return out
+
+
+def test_group_by_prompt_puts_a_prompts_pairs_in_one_micro_batch(checkpoint, tmp_path):
+    path, data = checkpoint("llama"), ranked_rows()
+    groups = {}
+    for grouped in (True, False):
+        trainer = build("dpo", path, tmp_path / str(grouped), data=data, group_by_prompt=grouped,
+                        per_device_train_batch_size=3)
+        seen, counts = [], []
+        for batch in trainer.get_train_dataloader():
+            batch = trainer._prepare_inputs(batch)
+            plan = trainer.deg_prefix.plan(batch["input_ids"], batch["attention_mask"], trainer._deg_prompt_lens(batch))
+            counts.append(len(plan.groups))
+            seen.append(batch["input_ids"].shape[0] // 2)
+        assert sum(seen) == len(data)  # every pair once per epoch
+        groups[grouped] = counts
+    assert groups[True] == [1, 1, 1, 1]  # each micro-batch: one prompt, run once for its three pairs
+    assert max(groups[False]) > 1  # control: shuffling pairs mixes prompts
+
+
+def test_prompt_grouped_sampler_is_a_seeded_permutation():
+    from deg_hf.prefix.sampler import PromptGroupedSampler
+
+    keys = ["a", "b", "a", "c", "b", "a"]
+    sampler = PromptGroupedSampler(keys, seed=3)
+    first, second = list(sampler), list(sampler)
+    assert sorted(first) == sorted(second) == list(range(6))
+    for order in (first, second):  # the members of a prompt are contiguous
+        ks = [keys[i] for i in order]
+        assert sum(1 for i in range(1, 6) if ks[i] != ks[i - 1]) == 2
+    assert list(PromptGroupedSampler(keys, seed=3)) == first

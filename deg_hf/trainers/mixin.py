@@ -292,6 +292,18 @@ class StreamingSetupMixin:
         if not self.deg_prefix.available:
             self.deg_prefix.note_fallback(self.deg_prefix.reason)
 
+    def _get_train_sampler(self, train_dataset=None):
+        if not (self.deg_prefix_capable and getattr(self.args, "group_by_prompt", False)):
+            return super()._get_train_sampler(train_dataset)
+        from deg_hf.prefix.sampler import PromptGroupedSampler, prompt_keys
+
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        keys = prompt_keys(dataset) if dataset is not None else None
+        if keys is None:
+            return super()._get_train_sampler(train_dataset)
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return PromptGroupedSampler(keys, seed=seed)
+
     def _deg_shared_prompt_lens(self, inputs) -> list[int] | None:
         """Per example, the prompt length its rows share when this micro-batch runs packed
         (prefix sharing on and possible), else None."""
