@@ -712,7 +712,8 @@ def summarize(record: Mapping[str, Any]) -> str:
         if memory.get("scale") is not None:
             parts.append(f"scale {_fmt_number(memory['scale'])}")
         totals = memory_totals(memory)
-        for key, label in (("parts", "micro-batch parts"), ("oom_retry", "OOM retries"), ("oom_skip", "OOM skips")):
+        for key, label in (("parts", "micro-batch parts"), ("oom_retry", "OOM retries"), ("oom_skip", "OOM skips"),
+                           ("trunk_forks", "trunk-and-forks pairs")):
             if key in totals:
                 parts.append(f"{label} {totals[key]}")
         skipped = skipped_ids(memory)

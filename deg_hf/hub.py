@@ -177,9 +177,14 @@ def model_card(
             ("parts", "Micro-batch parts run"),
             ("oom_retry", "Out-of-memory retries"),
             ("oom_skip", "Examples skipped after out-of-memory"),
+            ("trunk_forks", "Pairs run as prompt trunk and completion forks"),
         ):
             if key in totals:
                 memory_rows.append((label, _cell(totals[key])))
+        sharing = memory.get("prefix_sharing")
+        if isinstance(sharing, dict) and sharing.get("tokens_rows"):
+            memory_rows.append(("Prefix sharing: tokens run / in rows",
+                                _cell(f"{sharing.get('tokens_packed', 0)} / {sharing['tokens_rows']}")))
         skipped = skipped_ids(memory)
         if skipped:
             memory_rows.append(("Skipped example ids", _cell(skipped[:32]) + (" ..." if len(skipped) > 32 else "")))
