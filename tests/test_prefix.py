@@ -401,3 +401,22 @@ def test_prompt_grouped_sampler_is_a_seeded_permutation():
         ks = [keys[i] for i in order]
         assert sum(1 for i in range(1, 6) if ks[i] != ks[i - 1]) == 2
     assert list(PromptGroupedSampler(keys, seed=3)) == first
+
+
+@pytest.mark.parametrize("task", ["dpo", "orpo"])
+def test_trunk_and_forks_of_a_prompt_with_several_pairs(checkpoint, tmp_path, task):
+    """One trunk, several forks (a completion that is one pair's rejected and the next pair's chosen
+    runs once): the gradient of the whole micro-batch, as TRL computes it row by row."""
+    on, off = pair(task, checkpoint("llama"), tmp_path, data=ranked_rows(), group_by_prompt=True,
+                   per_device_train_batch_size=3)
+    batch = batch_of(on)
+    if task == "dpo":
+        plan = on.deg_prefix.plan(batch["input_ids"], batch["attention_mask"], on._deg_prompt_lens(batch))
+        (prompt_len, branches), = plan.groups
+        assert len(branches) == 4  # six rows, three pairs, four distinct completions
+    with on.deg_prefix.use_mode("trunk_forks"):
+        loss_on, grads_on = loss_and_grads(on, batch)
+    loss_off, grads_off = loss_and_grads(off, batch)
+    assert abs(loss_on.item() - loss_off.item()) <= 1e-5
+    assert_grads_close(grads_on, grads_off)
+    assert on.deg_prefix.stats["trunk_forks"] == 1
