@@ -149,6 +149,12 @@ def print_summary(trainer, accuracy: tuple | None = None) -> None:
     totals = record["memory"]["totals"]
     rows.append(("memory plan: parts / retries / skips",
                  f"{totals['parts']} / {totals['oom_retry']} / {totals['oom_skip']}"))
+    sharing = record["memory"].get("prefix_sharing")
+    if sharing and sharing.get("tokens_rows"):
+        rows.append(("prefix sharing: tokens run / in rows",
+                     f"{sharing.get('tokens_packed', 0)} / {sharing['tokens_rows']} (each prompt once per pair)"))
+    elif sharing and sharing.get("fallbacks"):
+        rows.append(("prefix sharing", "off: " + "; ".join(sharing["fallbacks"])))
     if trainer.deg_task in ("dpo", "kto"):
         rows.append(("reference model", f"same base, adapter disabled (ref_model is None: {trainer.ref_model is None})"))
     rows += [("checkpoint", f"{os.path.abspath(out)} (adapter, deg.json, README.md)"),
