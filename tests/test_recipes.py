@@ -33,7 +33,10 @@ def assert_saved(proc: subprocess.CompletedProcess, out: Path) -> None:
         assert (out / name).is_file(), f"{name} missing from {sorted(os.listdir(out))}"
 
 
-@pytest.mark.parametrize("name", ["sft", "dpo", "orpo", "simpo"])
+RECIPES = ["sft", "dpo", "kto", "orpo", "simpo"]
+
+
+@pytest.mark.parametrize("name", RECIPES)
 def test_recipe_runs_without_config(name, tmp_path):
     out = tmp_path / name
     assert_saved(run_recipe(name, *FAST, "--output_dir", str(out)), out)
@@ -68,14 +71,21 @@ def test_demo_reaches_held_out_reward_accuracy(tmp_path):
         assert (out / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_kto_recipe_yaml_with_overrides(tmp_path):
-    out = tmp_path / "kto"
-    proc = run_recipe("kto", "--config", "recipes/configs/kto.yaml", "--max_steps", "2", "--output_dir", str(out),
-                      "--per_device_train_batch_size", "4", "--disable_tqdm", "true")
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_yaml_with_overrides(name, tmp_path):
+    import yaml
+
+    out = tmp_path / name
+    config = yaml.safe_load((REPO / "recipes" / "configs" / f"{name}.yaml").read_text())
+    proc = run_recipe(name, "--config", f"recipes/configs/{name}.yaml", "--max_steps", "2", "--output_dir", str(out),
+                      "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--learning_rate", "0.000123")
     assert_saved(proc, out)
-    # the YAML's LoRA settings reached the adapter
+    # the YAML's LoRA settings reached the adapter, and the command line overrode the YAML
     adapter = json.loads((out / "adapter_config.json").read_text())
-    assert adapter["r"] == 8 and adapter["lora_alpha"] == 16
+    assert adapter["r"] == config["lora_r"] and adapter["lora_alpha"] == config["lora_alpha"]
+    record = json.loads((out / "deg.json").read_text())
+    assert record["train_args"]["learning_rate"] == 0.000123 != config.get("learning_rate")
+    assert record["train_args"]["max_steps"] == 2
 
 
 def test_configs_parse():
