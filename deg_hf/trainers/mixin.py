@@ -323,8 +323,10 @@ class StreamingSetupMixin:
 
     def set_fault_hook(self, hook) -> None:
         """Install ``hook(part_info, phase)``, called before each part's forward (phase
-        ``"forward"``) and after its backward wrote gradients (``"backward"``). It may raise (e.g.
-        ``torch.OutOfMemoryError``) to exercise split-and-retry; ``None`` removes it."""
+        ``"forward"``) and after its backward wrote gradients (``"backward"``); in a pair run as
+        trunk and forks also before each fork's forward (``"fork_forward"``), after its backward
+        (``"fork_backward"``) and before the trunk's backward (``"trunk_backward"``). It may raise
+        (e.g. ``torch.OutOfMemoryError``) to exercise split-and-retry; ``None`` removes it."""
         self.deg_fault_hook = hook
 
     def simulate_device_memory(self, budget_bytes: int | None):
