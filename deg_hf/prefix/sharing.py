@@ -94,10 +94,6 @@ class PrefixSharing:
     def available(self) -> bool:
         return self.reason is None
 
-    def close(self) -> None:
-        if self.backbone.__dict__.get("forward") == self._forward:
-            del self.backbone.forward
-
     # ------------------------------------------------------------------ the trainer's side
     @contextlib.contextmanager
     def pairs(self, prompt_lens: list[int]):

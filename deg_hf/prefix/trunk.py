@@ -24,6 +24,7 @@ first fork of its group), which gives the same gradient.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 
@@ -75,7 +76,7 @@ class TrunkForks:
         self.call = call
         self.params = params  # callable: the trainable parameters (their grads are snapshotted)
         self.fault = fault or (lambda phase: None)
-        self.stats = stats if stats is not None else {}
+        self.stats = stats if stats is not None else Counter()
 
     # ------------------------------------------------------------------ pieces
     def _pieces(self, g):
@@ -125,7 +126,7 @@ class TrunkForks:
         with torch.enable_grad():
             try:
                 self._trunk_backward(grad)
-                self.stats["trunk_forks"] = self.stats.get("trunk_forks", 0) + 1
+                self.stats["trunk_forks"] += 1
                 return
             except Exception as exc:
                 if not is_oom(exc):
@@ -135,7 +136,7 @@ class TrunkForks:
                 del snapshot
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                self.stats["fork_fallbacks"] = self.stats.get("fork_fallbacks", 0) + 1
+                self.stats["fork_fallbacks"] += 1
                 logger.warning("trunk-and-forks ran out of memory (%s); running each completion as a full "
                                "sequence instead", str(exc).splitlines()[0][:120])
             self._rows_backward(grad)

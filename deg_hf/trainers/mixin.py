@@ -277,6 +277,7 @@ class StreamingSetupMixin:
             return
         from deg_hf.prefix.sharing import PrefixSharing
         from deg_hf.streaming.build import find_decoder_layers
+        from deg_hf.streaming.store import StreamingError
 
         def fault(phase):
             if self.deg_fault_hook is not None and self._deg_part_info is not None:
@@ -286,7 +287,7 @@ class StreamingSetupMixin:
         if self.stream_runtime is None:
             try:
                 resident = list(find_decoder_layers(self.model)[1])
-            except Exception:  # noqa: BLE001 - only used to keep caches under checkpointing
+            except StreamingError:  # no layer list found: only used to keep caches under checkpointing
                 resident = []
         self.deg_prefix = PrefixSharing(self.model, fault=fault, resident_layers=resident)
         if not self.deg_prefix.available:
