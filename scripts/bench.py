@@ -354,7 +354,7 @@ def bench_prefix(quick: bool) -> dict:
                 tr.model.zero_grad(set_to_none=True)
 
             steps[key] = step
-    times = _median_times(steps, repeats=2 if quick else 4)
+    times = _median_times(steps, repeats=2 if quick else 10)
 
     tr, batch = trainers["shared_streamed"]
     inputs = tr._prepare_inputs(batch)
