@@ -323,8 +323,9 @@ def write_checkpoint_files(
     """Write ``deg.json`` and the ``README.md`` model card into ``directory`` (main process only).
 
     Returns the path of ``deg.json``, or None on the other processes. With ``strict=False`` (the
-    saves inside a training run) a failure is logged instead of raised: a long run is not stopped
-    for its metadata, and a checkpoint without ``deg.json`` still resumes.
+    saves inside a training run) a failure to build or validate the record is logged instead of
+    raised: a long run is not stopped for its metadata, and a checkpoint without ``deg.json`` still
+    resumes. A failure to write (``OSError``: a full disk) is raised either way: the save failed.
     """
     if not _is_main(trainer):
         return None
@@ -336,7 +337,7 @@ def write_checkpoint_files(
         # the card is written from the record exactly as it landed on disk (redacted for this directory)
         write_model_card(directory, read_deg_json(path), repo_id=getattr(trainer.args, "hub_model_id", None))
     except Exception as exc:
-        if strict:
+        if strict or isinstance(exc, OSError):
             raise
         logger.error("could not write deg.json into %s: %s", directory, exc, exc_info=True)
         return None
@@ -346,17 +347,31 @@ def write_checkpoint_files(
 def resolve_resume_checkpoint(trainer, resume_from_checkpoint) -> str | None:
     """The checkpoint directory ``train(resume_from_checkpoint=...)`` resumes from, or None.
 
-    ``True`` means the last ``checkpoint-N`` in ``args.output_dir`` (None when there is none: the
-    upstream ``train`` then raises its own error); ``False``/``None`` mean no resume.
+    ``True`` means the newest *complete* ``checkpoint-N`` in ``args.output_dir``: incomplete ones
+    (an interrupted save of an older deg_hf) are skipped with a warning naming them, and when there
+    is none the run starts from the beginning, with a warning. A path must be a complete checkpoint,
+    else ``ValueError`` says what it lacks. ``False``/``None`` mean no resume.
     """
+    from deg_hf.checkpoint.atomic import checkpoint_problem, newest_complete_checkpoint
+
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
+    optimizer = not getattr(trainer.args, "save_only_model", False)
     if resume_from_checkpoint is True:
-        from transformers.trainer_utils import get_last_checkpoint
-
         output_dir = trainer.args.output_dir
-        return get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
-    return os.fspath(resume_from_checkpoint)
+        found = newest_complete_checkpoint(output_dir, optimizer=optimizer)
+        if found is None:
+            logger.warning("resume_from_checkpoint=True: %s holds no complete checkpoint-N; training starts from "
+                           "the beginning", output_dir)
+        return found
+    path = os.fspath(resume_from_checkpoint)
+    problem = checkpoint_problem(path, optimizer=optimizer)
+    if problem is not None:
+        raise ValueError(
+            f"cannot resume from {path}: {problem}. Give a complete checkpoint-N directory, or "
+            "resume_from_checkpoint=True to take the newest complete one in output_dir."
+        )
+    return path
 
 
 def _counter_target(trainer) -> Any:
@@ -477,7 +492,8 @@ def _callback_class():
             if trainer is None or not state.is_world_process_zero:
                 return control
             directory = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            if not os.path.isdir(directory):
+            # deg_hf trainers write the record into the checkpoint before it is committed
+            if not os.path.isdir(directory) or os.path.isfile(os.path.join(directory, "deg.json")):
                 return control
             write_checkpoint_files(trainer, directory, strict=False)
             return control
