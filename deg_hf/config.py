@@ -43,6 +43,22 @@ class StreamConfig:
         metadata={"help": "Directory for a converted copy of the layer weights, keyed by a "
                   "fingerprint of the source files, so later runs load faster."},
     )
+    stream_quantization: str | None = field(
+        default=None,
+        metadata={"help": "Store the decoder layers' Linear weights 4-bit in host memory: 'nf4' or 'fp4' "
+                  "(QLoRA; needs bitsandbytes: pip install 'deg_hf[nf4]'). A quantization_config with "
+                  "load_in_4bit in model_init_kwargs, or TRL's --load_in_4bit, asks for the same. None: the "
+                  "training dtype (a checkpoint saved 4-bit streams 4-bit as it is)."},
+    )
+    stream_quant_double: bool = field(
+        default=True,
+        metadata={"help": "Double quantization: the per-block scales are themselves stored 8-bit "
+                  "(about 0.4 bits per weight less)."},
+    )
+    stream_quant_blocksize: int = field(
+        default=64,
+        metadata={"help": "Weights per 4-bit block, each with its own scale (32 ... 4096; bitsandbytes' default 64)."},
+    )
     mem_target_gb: float | None = field(
         default=None,
         metadata={"help": "Device-memory target in GB for planning micro-batches. None: 90 percent of the "
@@ -98,6 +114,11 @@ class PrefixSharingConfig:
     )
 
 
+#: what stream_quantization and stream_quant_blocksize accept (bitsandbytes' 4-bit types and block sizes)
+QUANT_TYPES = ("nf4", "fp4")
+QUANT_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
 class SettingError(ValueError):
     """A deg_hf setting of the wrong type or out of range; the message names the field."""
 
@@ -131,6 +152,12 @@ def _real(name: str, value, meaning: str, *, low: float, high: float | None = No
     return value
 
 
+def _choice(name: str, value, allowed: tuple, meaning: str):
+    if isinstance(value, bool) or not isinstance(value, type(allowed[0])) or value not in allowed:
+        raise SettingError(f"{name} must be one of {', '.join(map(str, allowed))} ({meaning}), got {_describe(value)}")
+    return value
+
+
 def _path(name: str, value, meaning: str, *, kind: str):
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
         raise SettingError(f"{name} must be a path ({meaning}) or None, got {_describe(value)}")
@@ -157,6 +184,11 @@ _RULES = {
     "stream_buffers": lambda v: _whole("stream_buffers", v, 1, "decoder layers held on the device at once"),
     "stream_cache_dir": lambda v: None if v is None else _path(
         "stream_cache_dir", v, "where the flat copy of the layer weights is kept", kind="dir"),
+    "stream_quantization": lambda v: None if v is None else _choice(
+        "stream_quantization", v, QUANT_TYPES, "4-bit storage of the decoder weights, or None"),
+    "stream_quant_double": lambda v: _flag("stream_quant_double", v, "quantize the 4-bit block scales too"),
+    "stream_quant_blocksize": lambda v: _choice(
+        "stream_quant_blocksize", v, QUANT_BLOCKSIZES, "weights per 4-bit block"),
     "mem_target_gb": lambda v: None if v is None else _real(
         "mem_target_gb", v, "device-memory target in GiB, or None for the default", low=0, low_open=True),
     "mem_plan": lambda v: _flag("mem_plan", v, "plan micro-batches under the memory target"),
@@ -204,25 +236,32 @@ STREAMED_INIT_KWARGS = {
     "torch_dtype": "the older name of dtype",
     "attn_implementation": "the attention kernel of the model skeleton",
     "revision": "the Hub branch, tag or commit the weights are downloaded from",
+    "quantization_config": "a bitsandbytes 4-bit config: the decoder layers are stored 4-bit (deg_hf.streaming.quant)",
     "low_cpu_mem_usage": "always the case: streaming never materialises a second copy of the weights",
     "trust_remote_code": "False only: streaming builds transformers' own architectures",
 }
 
 
-def check_model_init_kwargs(init_kwargs, *, quantization_config=None, trust_remote_code=False) -> None:
+def check_model_init_kwargs(init_kwargs, settings, *, quantization_config=None, trust_remote_code=False) -> None:
     """Refuse, by name and with the remedy, every ``model_init_kwargs`` entry a streamed build would
-    not honour (see :data:`STREAMED_INIT_KWARGS`); also the trainer's own ``quantization_config``
+    not honour (see :data:`STREAMED_INIT_KWARGS`); also the trainers' own ``quantization_config``
     argument and ``trust_remote_code=True``. Called only with ``stream_layers=True``: resident
     models go through ``from_pretrained(**model_init_kwargs)``, which honours every key."""
     init_kwargs = dict(init_kwargs or {})
     resident = "or pass stream_layers=False to load the model with from_pretrained(**model_init_kwargs)"
-    quant = {key: init_kwargs.pop(key) for key in ("quantization_config", "load_in_4bit", "load_in_8bit")
-             if key in init_kwargs}
     if quantization_config is not None:
-        quant["quantization_config (trainer argument)"] = quantization_config
-    if any(value not in (None, False) for value in quant.values()):
-        _refuse_quantization(quant)
-    if "device_map" in init_kwargs and init_kwargs["device_map"] is not None:
+        raise SettingError(
+            "the trainer's quantization_config argument is not used with stream_layers=True: pass it as "
+            "model_init_kwargs={'quantization_config': ...} or set stream_quantization='nf4', " + resident + "."
+        )
+    if init_kwargs.get("quantization_config") is not None:
+        from deg_hf.streaming.quant import resolve_spec
+
+        try:  # 4-bit bitsandbytes is stored 4-bit; every other method is refused there, saying why
+            resolve_spec(settings, init_kwargs["quantization_config"])
+        except ValueError as exc:
+            raise SettingError(f"model_init_kwargs['quantization_config']: {exc}") from None
+    if init_kwargs.get("device_map") is not None:
         raise SettingError(
             f"model_init_kwargs['device_map']={init_kwargs['device_map']!r} cannot be honoured with "
             "stream_layers=True: deg_hf places the model itself (embeddings, final norm and LM head on the "
@@ -245,7 +284,7 @@ def check_model_init_kwargs(init_kwargs, *, quantization_config=None, trust_remo
             f"{'it' if len(unknown) == 1 else 'them'}, " + resident + "."
         )
     for key in ("dtype", "torch_dtype"):
-        if key in init_kwargs and init_kwargs[key] is not None:
+        if init_kwargs.get(key) is not None:
             _check_dtype(key, init_kwargs[key])
     for key in ("attn_implementation", "revision"):
         value = init_kwargs.get(key)
@@ -264,44 +303,6 @@ def _check_dtype(key: str, value) -> None:
     raise SettingError(
         f"model_init_kwargs[{key!r}] must be 'auto', a floating torch dtype or its name ('bfloat16', "
         f"'float16', 'float32'), got {_describe(value)}"
-    )
-
-
-# ---- quantized bases under streaming (the 4-bit branch is replaced when quantized streaming lands)
-
-
-def _refuse_quantization(requested: dict) -> None:
-    where, config = next((k, v) for k, v in requested.items() if v not in (None, False))
-    label = where if "trainer argument" in where else f"model_init_kwargs[{where!r}]"
-    if where == "load_in_4bit":
-        config = {"load_in_4bit": True}
-    elif where == "load_in_8bit":
-        config = {"load_in_8bit": True}
-    if isinstance(config, dict):
-        values = dict(config)
-    elif callable(getattr(config, "to_dict", None)):
-        values = config.to_dict()
-    else:
-        values = dict(vars(config)) if hasattr(config, "__dict__") else {}
-    method = str(getattr(values.get("quant_method"), "value", values.get("quant_method")) or "bitsandbytes").lower()
-    if method == "bitsandbytes" and values.get("load_in_4bit"):
-        raise SettingError(
-            f"{label} asks for a 4-bit (bitsandbytes NF4/FP4) base: 4-bit streaming is not available yet. "
-            "Drop the quantization config to stream the full-precision base (it stays in host memory, not "
-            "on the device), or pass stream_layers=False to train QLoRA resident."
-        )
-    if method == "bitsandbytes" and values.get("load_in_8bit"):
-        raise SettingError(
-            f"{label} asks for an 8-bit (bitsandbytes LLM.int8) base, which cannot be streamed: its layers "
-            "quantize their weights when moved to the device and keep the scales and outlier state inside "
-            "each module, while a streamed layer's weights are plain bytes copied into a shared device buffer "
-            "at every fetch. Drop the quantization config to stream the full-precision base, or pass "
-            "stream_layers=False to train it resident in 8-bit."
-        )
-    raise SettingError(
-        f"{label} asks for a {method} quantized base, which cannot be streamed: its packed integer weights are "
-        "read only by that method's own kernels, while streaming copies floating-point weights into device "
-        "buffers. Use the unquantized base model, or pass stream_layers=False to train it resident."
     )
 
 

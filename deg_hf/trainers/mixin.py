@@ -84,7 +84,7 @@ class StreamingSetupMixin:
                 "(or set stream_layers=False to train resident with an explicit reference)."
             )
         if settings.stream_layers:
-            check_model_init_kwargs(getattr(config, "model_init_kwargs", None),
+            check_model_init_kwargs(getattr(config, "model_init_kwargs", None), settings,
                                     quantization_config=params.get("quantization_config"),
                                     trust_remote_code=getattr(config, "trust_remote_code", False))
             _refuse_base_reading_peft(peft_config)
@@ -168,12 +168,19 @@ class StreamingSetupMixin:
             model = source
         if not isinstance(model, str):
             raise TypeError(f"model must be a Hub id, a path or a PreTrainedModel, got {type(model).__name__}")
+        from deg_hf.streaming import quant
+
         if not settings.stream_layers:
             from transformers import AutoModelForCausalLM
 
+            spec = quant.resolve_spec(settings, None) if "quantization_config" not in init_kwargs else None
+            if spec is not None:  # stream_quantization asks for QLoRA resident: transformers' own 4-bit loading
+                init_kwargs["quantization_config"] = quant.resident_config(spec, _dtype_of(args, init_kwargs))
             return AutoModelForCausalLM.from_pretrained(model, **_resident_kwargs(init_kwargs))
         from deg_hf.streaming.build import build_streamed_model
 
+        quantization_config = init_kwargs.pop("quantization_config", None)
+        spec = quant.resolve_spec(settings, quantization_config)
         dtype = _dtype_of(args, init_kwargs)
         streamed, runtime = build_streamed_model(
             model,
@@ -184,8 +191,18 @@ class StreamingSetupMixin:
             attn_implementation=init_kwargs.get("attn_implementation"),
             revision=init_kwargs.get("revision"),
             progress=not getattr(args, "disable_tqdm", False),
+            quantization=spec,
         )
         self.stream_runtime = runtime
+        compute = quant.compute_dtype_of(quantization_config)
+        if runtime.store.quantized and compute is not None and compute != runtime.store.dtype:
+            note = (
+                f"the 4-bit layers are dequantized to the training dtype {runtime.store.dtype} and compute in it; "
+                f"bnb_4bit_compute_dtype={compute} applies to resident bitsandbytes layers only (pass "
+                f"model_init_kwargs={{'dtype': {str(compute).replace('torch.', '')!r}}} to train in it)"
+            )
+            self.deg_notes.append(note)
+            logger.warning(note)
         return streamed
 
     def _deg_peft_config(self, peft_config):
