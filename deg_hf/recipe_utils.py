@@ -49,9 +49,22 @@ def parse_args(config_class, recipe: str, argv=None):
     quantization = _quantization_config(model_args)
     if quantization is not None:  # --load_in_4bit & co: QLoRA, streamed 4-bit (or resident with --stream_layers false)
         init_kwargs["quantization_config"] = quantization
+    if model_args.trust_remote_code:  # honoured resident, refused by name when streaming
+        init_kwargs["trust_remote_code"] = True
     if init_kwargs:
         training_args.model_init_kwargs = {**init_kwargs, **(training_args.model_init_kwargs or {})}
     return script_args, training_args, model_args
+
+
+def resume_from(training_args):
+    """``--resume_from_checkpoint`` as ``train()`` takes it: ``true`` (the newest complete checkpoint-N
+    in output_dir, or from the beginning when there is none), a checkpoint path, or None."""
+    value = training_args.resume_from_checkpoint
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "false", "no", "0", "none")):
+        return None
+    if value is True or (isinstance(value, str) and value.strip().lower() in ("true", "yes", "1")):
+        return True
+    return value
 
 
 def _quantization_config(model_args):

@@ -116,6 +116,13 @@ class StreamingSetupMixin:
                 # adapters on streamed layers were created on `meta` (their base layer's device)
                 materialize_adapters(self.model, self.stream_runtime.device)
             self._deg_setup_memory(settings)
+            if self.__dict__.get("_deg_preflight_deferred", False) is not False:
+                from deg_hf.memory.preflight import longest_row
+
+                longest = longest_row(self.train_dataset)
+                if longest is not None:
+                    self.deg_preflight = self._deg_preflight(
+                        self.model, self.args, settings, self._deg_preflight_deferred, longest=longest)
             self._deg_setup_prefix(config)
             from deg_hf.trainers.records import DegCheckpointCallback
 
@@ -234,21 +241,28 @@ class StreamingSetupMixin:
             return AutoConfig.from_pretrained(local)
         return getattr(model, "config", None)
 
-    def _deg_max_length(self, args) -> int:
+    def _deg_max_length(self, args) -> int | None:
+        """The configured truncation length; None when rows are not truncated."""
         for name in ("max_length", "max_seq_length"):
             value = getattr(args, name, None)
             if isinstance(value, int) and value > 0:
                 return value
-        return 1024
+        return None
 
-    def _deg_preflight(self, model, args, settings, peft_config):
-        """Estimate the configured micro-batch from config.json alone; refuse what cannot fit."""
+    def _deg_preflight(self, model, args, settings, peft_config, *, longest=None):
+        """Estimate the configured micro-batch from config.json alone; refuse what cannot fit. Without
+        a max_length the rows' length is the longest tokenised row (``longest``, ``(tokens, row)``):
+        the check then runs once the upstream trainer has tokenised the dataset."""
         if not settings.mem_plan or model is None:
             return None
         from deg_hf.memory.preflight import lora_params, make_planner, preflight, target_bytes
 
         if target_bytes(settings, args.device) is None:
             return None  # unlimited (CPU without mem_target_gb): nothing to refuse
+        max_length = self._deg_max_length(args) or (longest[0] if longest else None)
+        if max_length is None:
+            self._deg_preflight_deferred = peft_config
+            return None
         config = self._deg_model_config(model)
         if config is None:
             return None
@@ -265,7 +279,8 @@ class StreamingSetupMixin:
         return preflight(
             type(self).__name__, planner, rows_per_example=self.deg_rows_per_example,
             kl_rows_per_example=self.deg_kl_rows_per_example, min_examples=self.deg_min_batch,
-            batch=int(getattr(args, "per_device_train_batch_size", 1)), max_length=self._deg_max_length(args),
+            batch=int(getattr(args, "per_device_train_batch_size", 1)), max_length=max_length,
+            length_source=None if self._deg_max_length(args) else f"the longest tokenised row (dataset row {longest[1]})",
         )
 
     def _deg_setup_memory(self, settings) -> None:
@@ -319,7 +334,19 @@ class StreamingSetupMixin:
         if not self.deg_prefix.available:
             self.deg_prefix.note_fallback(self.deg_prefix.reason)
 
+    def _remove_unused_columns(self, dataset, description=None):
+        dataset = super()._remove_unused_columns(dataset, description)
+        if description != "Training":
+            return dataset
+        from deg_hf.memory.collator import with_row_ids
+
+        return with_row_ids(dataset)  # skipped examples are then reported as dataset rows
+
     def _get_train_sampler(self, train_dataset=None):
+        from deg_hf.memory.collator import RowIds
+
+        if isinstance(train_dataset, RowIds):  # samplers read the dataset's own columns
+            train_dataset = train_dataset.dataset
         if not (self.deg_prefix_capable and getattr(self.args, "group_by_prompt", False)):
             return super()._get_train_sampler(train_dataset)
         from deg_hf.prefix.sampler import PromptGroupedSampler, prompt_keys

@@ -34,7 +34,7 @@ __all__ = [
 #: a planner target at or above this many bytes stands for "no target" (the CPU default)
 UNLIMITED_TARGET_BYTES = 1 << 60
 #: counters whose totals deg.json records (and a resume restores)
-COUNTER_KEYS = ("parts", "oom_retry", "oom_skip", "trunk_forks")
+COUNTER_KEYS = ("parts", "oom_retry", "oom_skip", "trunk_forks", "examples")
 # log_history keys that are bookkeeping, not metrics
 _NOT_METRICS = frozenset({"step", "epoch", "total_flos"})
 # datasets' packaged builders: their dataset_name is the file format, not a name
@@ -386,13 +386,17 @@ def _counter_target(trainer) -> Any:
     return getattr(trainer, "deg_counters", None)
 
 
-def _set_counters(trainer, memory: Mapping[str, Any]) -> dict | None:
+def _set_counters(trainer, memory: Mapping[str, Any], record_metrics: Mapping[str, Any] | None = None) -> dict | None:
     from deg_hf.checkpoint import memory_totals, skipped_ids
 
     totals = memory_totals(memory)
     if not any(key in totals for key in COUNTER_KEYS):
         return None
     values = {key: int(totals.get(key, 0) or 0) for key in COUNTER_KEYS}
+    if "examples" not in totals:  # recorded before deg_hf counted them: the steps taken times the batch
+        args, step = trainer.args, int((record_metrics or {}).get("global_step", 0) or 0)
+        values["examples"] = max(values["oom_skip"], step * int(getattr(args, "per_device_train_batch_size", 1))
+                                 * int(getattr(args, "gradient_accumulation_steps", 1)))
     skipped = list(skipped_ids(memory))
     target = _counter_target(trainer)
     if target is None:
@@ -460,7 +464,7 @@ def restore_from_checkpoint(trainer, checkpoint_dir) -> dict | None:
                            "uncalibrated", directory, exc)
     elif planner is not None:
         logger.warning("%s records no planner state: the memory planner starts uncalibrated", directory)
-    _set_counters(trainer, memory)
+    _set_counters(trainer, memory, record.get("metrics"))
     return record
 
 
