@@ -458,7 +458,8 @@ def unreachable(exc: BaseException, what: str) -> HubUnreachableError:
 
     endpoint = constants.ENDPOINT
     reason = " ".join(str(exc).split())[:160] or type(exc).__name__
-    if isinstance(exc, OfflineModeIsEnabled) or constants.HF_HUB_OFFLINE:
+    transport = any(c.__name__ in ("TransportError", "TimeoutException") for c in type(exc).__mro__)
+    if isinstance(exc, OfflineModeIsEnabled) or (constants.HF_HUB_OFFLINE and not transport):
         return HubUnreachableError(f"cannot {what}: offline mode is on (HF_HUB_OFFLINE is set); unset it to reach "
                                    f"the Hub at {endpoint}")
     return HubUnreachableError(f"cannot {what}: the Hub at {endpoint} cannot be reached ({reason}); check your "

@@ -49,8 +49,6 @@ def parse_args(config_class, recipe: str, argv=None):
     quantization = _quantization_config(model_args)
     if quantization is not None:  # --load_in_4bit & co: QLoRA, streamed 4-bit (or resident with --stream_layers false)
         init_kwargs["quantization_config"] = quantization
-    if model_args.trust_remote_code:  # honoured resident, refused by name when streaming
-        init_kwargs["trust_remote_code"] = True
     if init_kwargs:
         training_args.model_init_kwargs = {**init_kwargs, **(training_args.model_init_kwargs or {})}
     return script_args, training_args, model_args
