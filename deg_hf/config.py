@@ -5,6 +5,11 @@ upstream configuration classes with those fields added, so one object configures
 and the streaming (and ``TrlParser``/``HfArgumentParser`` expose them on the command line). A plain
 upstream config is accepted by every deg_hf trainer too: :func:`stream_settings` then supplies the
 defaults.
+
+Every deg_hf setting is checked for type and range here and only here (:func:`check_setting`), by
+the config classes, by :func:`stream_settings` and by the streaming builder; a bad value raises
+:class:`SettingError` naming the field. :func:`check_model_init_kwargs` refuses, by name, every
+``model_init_kwargs`` entry a streamed build would not honour.
 """
 
 from __future__ import annotations

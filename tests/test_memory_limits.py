@@ -31,7 +31,7 @@ def build(path, out, rows, **overrides):
     )
 
 
-def skewed_rows(n=40):
+def skewed_rows(n=20):
     rows = sft_rows(n)
     for i in LONG_ROWS:
         rows[i]["messages"][1]["content"] = LONG_ANSWER
@@ -55,11 +55,11 @@ def too_long_for(trainer):
 def test_skips_under_the_threshold_finish_and_report_the_dataset_rows(checkpoint, tmp_path):
     from deg_hf.checkpoint import read_deg_json
 
-    trainer = build(checkpoint("llama"), tmp_path / "run", skewed_rows())
+    trainer = build(checkpoint("llama"), tmp_path / "run", skewed_rows(), oom_max_skip_fraction=0.1)
     trainer.set_fault_hook(too_long_for(trainer))
-    trainer.train()  # 2 of 40 examples: exactly oom_max_skip_fraction=0.05, not past it
+    trainer.train()  # 2 of 20 examples: exactly oom_max_skip_fraction, not past it
     counters = trainer.deg_counters
-    assert counters["oom_skip"] == 2 and counters["examples"] == 40
+    assert counters["oom_skip"] == 2 and counters["examples"] == 20
     # the dataset's rows, not positions within a micro-batch (those are 0 or 1 here)
     assert sorted(counters["skipped"]) == list(LONG_ROWS)
     trainer.save_model()
@@ -71,12 +71,12 @@ def test_skips_under_the_threshold_finish_and_report_the_dataset_rows(checkpoint
 def test_skips_past_the_threshold_stop_the_run_naming_the_rows(checkpoint, tmp_path):
     from deg_hf.memory.split_retry import SkipLimitError
 
-    trainer = build(checkpoint("llama"), tmp_path / "run", skewed_rows(), oom_max_skip_fraction=0.04)
+    trainer = build(checkpoint("llama"), tmp_path / "run", skewed_rows())  # the default: 0.05
     trainer.set_fault_hook(too_long_for(trainer))
-    with pytest.raises(SkipLimitError, match="oom_max_skip_fraction=0.04") as info:
+    with pytest.raises(SkipLimitError, match="oom_max_skip_fraction=0.05") as info:
         trainer.train()
     assert all(f"{row}" in str(info.value) for row in LONG_ROWS) and "max_length" in str(info.value)
-    # it stopped after the step of the second skip (2 > 0.04 x 40), not at the end of the run
+    # it stopped after the step of the second skip (2 > 0.05 x 20), not at the end of the run
     events = [json.loads(line) for line in (tmp_path / "run" / "train.log.jsonl").read_text().splitlines()]
     skips = [e for e in events if e.get("event") == "oom_skip"]
     assert len(skips) == 2 and trainer.state.global_step == skips[-1]["step"] + 1
@@ -106,7 +106,7 @@ def test_a_run_that_skips_every_example_raises(checkpoint, tmp_path):
 def test_preflight_without_max_length_uses_the_longest_tokenised_row(checkpoint, tmp_path):
     from deg_hf.memory.planner import GIB
 
-    path, rows = checkpoint("llama"), skewed_rows(8 * 5)
+    path, rows = checkpoint("llama"), skewed_rows()
     roomy = build(path, tmp_path / "a", rows, max_length=None, mem_target_gb=64.0)
     lengths = [len(x) for x in roomy.train_dataset["input_ids"]]
     report = roomy.deg_preflight
