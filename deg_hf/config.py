@@ -64,6 +64,17 @@ class StreamConfig:
         default=64,
         metadata={"help": "Weights per 4-bit block, each with its own scale (32 ... 4096; bitsandbytes' default 64)."},
     )
+    stream_tier: str = field(
+        default="auto",
+        metadata={"help": "Where the layer store lives: 'ram' (host memory), 'disk' (the layer cache, read each "
+                  "sweep by a background loader) or 'auto' (as many layers in RAM as host_mem_gb holds, the "
+                  "rest from disk)."},
+    )
+    host_mem_gb: float | None = field(
+        default=None,
+        metadata={"help": "Host-memory budget in GB for the layer store. None: the available memory less a "
+                  "margin (10 percent of the machine, at least 2 GB) for the OS, dataloaders and activations."},
+    )
     mem_target_gb: float | None = field(
         default=None,
         metadata={"help": "Device-memory target in GB for planning micro-batches. None: 90 percent of the "
@@ -122,6 +133,7 @@ class PrefixSharingConfig:
 #: what stream_quantization and stream_quant_blocksize accept (bitsandbytes' 4-bit types and block sizes)
 QUANT_TYPES = ("nf4", "fp4")
 QUANT_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+STREAM_TIERS = ("auto", "ram", "disk")
 
 
 class SettingError(ValueError):
@@ -189,6 +201,10 @@ _RULES = {
     "stream_buffers": lambda v: _whole("stream_buffers", v, 1, "decoder layers held on the device at once"),
     "stream_cache_dir": lambda v: None if v is None else _path(
         "stream_cache_dir", v, "where the flat copy of the layer weights is kept", kind="dir"),
+    "stream_tier": lambda v: _choice("stream_tier", v, STREAM_TIERS, "where the layer store lives"),
+    "host_mem_gb": lambda v: None if v is None else _real(
+        "host_mem_gb", v, "host-memory budget in GiB for the layer store, or None for the available memory",
+        low=0, low_open=True),
     "stream_quantization": lambda v: None if v is None else _choice(
         "stream_quantization", v, QUANT_TYPES, "4-bit storage of the decoder weights, or None"),
     "stream_quant_double": lambda v: _flag("stream_quant_double", v, "quantize the 4-bit block scales too"),
