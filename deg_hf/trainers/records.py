@@ -4,8 +4,9 @@
 argument, streaming settings and statistics, the memory planner's state and the out-of-memory
 counters, the data, the metrics logged so far) and hands it to :func:`deg_hf.checkpoint.make_record`.
 :func:`write_checkpoint_files` writes ``deg.json`` and the ``README.md`` model card next to the
-adapter; :class:`DegCheckpointCallback` does it for every ``checkpoint-N`` directory the trainer
-saves, and :func:`restore_from_checkpoint` puts the planner state and the counters back on resume.
+adapter (for a ``checkpoint-N``, while it is staged: see :mod:`deg_hf.checkpoint.atomic`);
+:class:`DegCheckpointCallback` does it for checkpoints saved without them, and
+:func:`restore_from_checkpoint` puts the planner state and the counters back on resume.
 
 Like the rest of deg_hf's trainer support this module imports nothing heavy at module level:
 transformers' ``TrainerCallback`` is resolved when the callback class is first used.
@@ -386,7 +387,8 @@ def _counter_target(trainer) -> Any:
     return getattr(trainer, "deg_counters", None)
 
 
-def _set_counters(trainer, memory: Mapping[str, Any], record_metrics: Mapping[str, Any] | None = None) -> dict | None:
+def _set_counters(trainer, memory: Mapping[str, Any], record_metrics: Mapping[str, Any] | None = None
+                  ) -> dict | None:
     from deg_hf.checkpoint import memory_totals, skipped_ids
 
     totals = memory_totals(memory)
@@ -479,7 +481,9 @@ def _callback_class():
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     class DegCheckpointCallback(TrainerCallback):
-        """Writes ``deg.json`` and ``README.md`` into every ``checkpoint-N`` directory the trainer saves.
+        """Writes ``deg.json`` and ``README.md`` into every ``checkpoint-N`` directory the trainer saves
+        without them (deg_hf's trainers write both while the checkpoint is staged, before it is
+        renamed into place; this covers other trainers the callback is added to).
 
         Holds the trainer by weak reference, so the callback does not keep the trainer (and its
         streaming runtime) alive. A failure to write the record is logged, never raised: a long run
