@@ -32,10 +32,19 @@ def _info(args: argparse.Namespace) -> int:
         record = read_deg_json(expanded)
     else:
         import huggingface_hub
-        from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+        from huggingface_hub.errors import (
+            EntryNotFoundError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        from deg_hf.hub import unreachable
 
         try:
             path = huggingface_hub.hf_hub_download(target, "deg.json", revision=args.revision)
+        except LocalEntryNotFoundError as exc:  # offline or unreachable, and not in the local cache
+            raise unreachable(exc, f"read the deg.json of {target} (it is not in the local cache either)") from None
         except RepositoryNotFoundError:
             raise DegJsonError(
                 f"{target} is neither a local checkpoint directory nor a Hub repo you can access"
@@ -138,8 +147,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (DegJsonError, ValueError) as exc:  # HFValidationError is a ValueError
         return _fail(str(exc))
-    except (OSError, ConnectionError) as exc:  # Hub HTTP errors, offline mode, missing files
-        return _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE)
+    except Exception as exc:
+        from deg_hf.hub import HubUnreachableError, is_network_error, unreachable
+
+        if isinstance(exc, HubUnreachableError):
+            return _fail(str(exc), EXIT_FAILURE)
+        if is_network_error(exc):  # the connection failed outside a push or a download we wrap
+            return _fail(str(unreachable(exc, f"run deg-hf {args.command}")), EXIT_FAILURE)
+        if isinstance(exc, OSError):  # Hub HTTP errors, missing files
+            return _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE)
+        raise
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
 

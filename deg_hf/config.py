@@ -5,10 +5,19 @@ upstream configuration classes with those fields added, so one object configures
 and the streaming (and ``TrlParser``/``HfArgumentParser`` expose them on the command line). A plain
 upstream config is accepted by every deg_hf trainer too: :func:`stream_settings` then supplies the
 defaults.
+
+Every deg_hf setting is checked for type and range here and only here (:func:`check_setting`), by
+the config classes, by :func:`stream_settings` and by the streaming builder; a bad value raises
+:class:`SettingError` naming the field. :func:`check_model_init_kwargs` refuses, by name, every
+``model_init_kwargs`` entry a streamed build would not honour.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import numbers
+import os
 from dataclasses import dataclass, field, fields
 
 ROLLOUT_REFUSAL = (
@@ -87,6 +96,12 @@ class StreamConfig:
         default=16,
         metadata={"help": "Upper bound on split-and-retry attempts within one optimizer step."},
     )
+    oom_max_skip_fraction: float = field(
+        default=0.05,
+        metadata={"help": "Largest share of the run's examples that may be skipped because they run out of "
+                  "memory even alone; a run that skips more (or skips every example) stops with an error "
+                  "naming the skipped rows."},
+    )
 
     def __post_init__(self):
         validate_stream_settings(self)
@@ -121,35 +136,111 @@ QUANT_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 STREAM_TIERS = ("auto", "ram", "disk")
 
 
+class SettingError(ValueError):
+    """A deg_hf setting of the wrong type or out of range; the message names the field."""
+
+
+def _describe(value) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _flag(name: str, value, meaning: str):
+    if not isinstance(value, bool):
+        raise SettingError(f"{name} must be True or False ({meaning}), got {_describe(value)}")
+    return value
+
+
+def _whole(name: str, value, minimum: int, meaning: str):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SettingError(f"{name} must be a whole number >= {minimum} ({meaning}), got {_describe(value)}")
+    if value < minimum:
+        raise SettingError(f"{name} must be >= {minimum} ({meaning}), got {value}")
+    return int(value)
+
+
+def _real(name: str, value, meaning: str, *, low: float, high: float | None = None, low_open: bool = False):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise SettingError(f"{name} must be a finite number ({meaning}), got {_describe(value)}")
+    if value < low or (low_open and value == low) or (high is not None and value > high):
+        bound = f"> {low}" if low_open else f">= {low}"
+        if high is not None:
+            bound += f" and <= {high}"
+        raise SettingError(f"{name} must be {bound} ({meaning}), got {value}")
+    return value
+
+
+def _choice(name: str, value, allowed: tuple, meaning: str):
+    if isinstance(value, bool) or not isinstance(value, type(allowed[0])) or value not in allowed:
+        raise SettingError(f"{name} must be one of {', '.join(map(str, allowed))} ({meaning}), got {_describe(value)}")
+    return value
+
+
+def _path(name: str, value, meaning: str, *, kind: str):
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise SettingError(f"{name} must be a path ({meaning}) or None, got {_describe(value)}")
+    path = os.path.expanduser(os.fspath(value))
+    if kind == "file":
+        if not os.path.isfile(path):
+            raise SettingError(f"{name}={os.fspath(value)!r}: no such file ({meaning}); write one with "
+                               "scripts/calibrate_memory.py, or leave it None for the built-in coefficients")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                content = json.load(fh)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SettingError(f"{name}={os.fspath(value)!r} cannot be read as JSON ({meaning}): {exc}") from None
+        if not isinstance(content, dict):
+            raise SettingError(f"{name}={os.fspath(value)!r} must hold a JSON object of coefficients ({meaning})")
+    elif os.path.exists(path) and not os.path.isdir(path):
+        raise SettingError(f"{name}={os.fspath(value)!r} is a file; it must be a directory ({meaning})")
+    return value
+
+
+#: every deg_hf field: how it is checked (its value, or None where None is allowed, is returned)
+_RULES = {
+    "stream_layers": lambda v: _flag("stream_layers", v, "stream decoder layers from host memory"),
+    "stream_buffers": lambda v: _whole("stream_buffers", v, 1, "decoder layers held on the device at once"),
+    "stream_cache_dir": lambda v: None if v is None else _path(
+        "stream_cache_dir", v, "where the flat copy of the layer weights is kept", kind="dir"),
+    "stream_tier": lambda v: _choice("stream_tier", v, STREAM_TIERS, "where the layer store lives"),
+    "host_mem_gb": lambda v: None if v is None else _real(
+        "host_mem_gb", v, "host-memory budget in GiB for the layer store, or None for the available memory",
+        low=0, low_open=True),
+    "stream_quantization": lambda v: None if v is None else _choice(
+        "stream_quantization", v, QUANT_TYPES, "4-bit storage of the decoder weights, or None"),
+    "stream_quant_double": lambda v: _flag("stream_quant_double", v, "quantize the 4-bit block scales too"),
+    "stream_quant_blocksize": lambda v: _choice(
+        "stream_quant_blocksize", v, QUANT_BLOCKSIZES, "weights per 4-bit block"),
+    "mem_target_gb": lambda v: None if v is None else _real(
+        "mem_target_gb", v, "device-memory target in GiB, or None for the default", low=0, low_open=True),
+    "mem_plan": lambda v: _flag("mem_plan", v, "plan micro-batches under the memory target"),
+    "mem_coef_file": lambda v: None if v is None else _path(
+        "mem_coef_file", v, "JSON of memory-estimate coefficients", kind="file"),
+    "oom_retry": lambda v: _flag("oom_retry", v, "split and retry a part that runs out of memory"),
+    "oom_max_splits": lambda v: _whole("oom_max_splits", v, 0, "out-of-memory retries allowed per optimizer step"),
+    "oom_max_skip_fraction": lambda v: _real(
+        "oom_max_skip_fraction", v, "share of the run's examples that may be skipped for memory",
+        low=0.0, high=1.0),
+    "prefix_sharing": lambda v: _flag("prefix_sharing", v, "run each pair's prompt once"),
+    "group_by_prompt": lambda v: _flag("group_by_prompt", v, "keep the pairs of one prompt in one micro-batch"),
+}
+
+
+def check_setting(name: str, value):
+    """Check one deg_hf setting for type and range; returns it, or raises :class:`SettingError`
+    naming the field. The one place settings are validated: the config classes, plain upstream
+    configs (:func:`stream_settings`) and the streaming builder all come through here."""
+    return _RULES[name](value)
+
+
 def validate_stream_settings(cfg) -> None:
-    if int(getattr(cfg, "stream_buffers", 2)) < 1:
-        raise ValueError(
-            f"stream_buffers must be >= 1 (the number of decoder layers held on the device at once), "
-            f"got {cfg.stream_buffers}"
-        )
-    target = getattr(cfg, "mem_target_gb", None)
-    if target is not None and not target > 0:
-        raise ValueError(f"mem_target_gb must be > 0 GB (or None for the default), got {target}")
-    if int(getattr(cfg, "oom_max_splits", 16)) < 0:
-        raise ValueError(f"oom_max_splits must be >= 0, got {cfg.oom_max_splits}")
-    tier = getattr(cfg, "stream_tier", "auto")
-    if tier not in STREAM_TIERS:
-        raise ValueError(f"stream_tier must be one of {', '.join(STREAM_TIERS)}, got {tier!r}")
-    host = getattr(cfg, "host_mem_gb", None)
-    if host is not None and (isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 < host < float("inf")):
-        raise ValueError(f"host_mem_gb must be a number of GB > 0 (or None for the available memory), got {host!r}")
-    quant = getattr(cfg, "stream_quantization", None)
-    if quant is not None and quant not in QUANT_TYPES:
-        raise ValueError(f"stream_quantization must be one of {', '.join(QUANT_TYPES)} or None, got {quant!r}")
-    blocksize = getattr(cfg, "stream_quant_blocksize", 64)
-    if isinstance(blocksize, bool) or blocksize not in QUANT_BLOCKSIZES:
-        raise ValueError(
-            f"stream_quant_blocksize must be one of {', '.join(map(str, QUANT_BLOCKSIZES))}, got {blocksize!r}"
-        )
+    """Check every deg_hf field ``cfg`` carries (see :func:`check_setting`)."""
+    for name in _RULES:
+        if hasattr(cfg, name):
+            check_setting(name, getattr(cfg, name))
 
 
 def stream_settings(args) -> StreamConfig:
-    """The stream fields of ``args`` (any config object), with defaults for those it lacks."""
+    """The stream fields of ``args`` (any config object), with defaults for those it lacks, checked."""
     values = {}
     for f in fields(StreamConfig):
         values[f.name] = getattr(args, f.name, f.default) if args is not None else f.default
@@ -158,6 +249,82 @@ def stream_settings(args) -> StreamConfig:
         setattr(settings, name, value)
     validate_stream_settings(settings)
     return settings
+
+
+#: model_init_kwargs a streamed build honours, and what each one does there
+STREAMED_INIT_KWARGS = {
+    "dtype": "the dtype the host store holds and the layers compute in ('auto': the checkpoint's own)",
+    "torch_dtype": "the older name of dtype",
+    "attn_implementation": "the attention kernel of the model skeleton",
+    "revision": "the Hub branch, tag or commit the weights are downloaded from",
+    "quantization_config": "a bitsandbytes 4-bit config: the decoder layers are stored 4-bit (deg_hf.streaming.quant)",
+    "low_cpu_mem_usage": "always the case: streaming never materialises a second copy of the weights",
+    "trust_remote_code": "False only: streaming builds transformers' own architectures",
+}
+
+
+def check_model_init_kwargs(init_kwargs, settings, *, quantization_config=None, trust_remote_code=False) -> None:
+    """Refuse, by name and with the remedy, every ``model_init_kwargs`` entry a streamed build would
+    not honour (see :data:`STREAMED_INIT_KWARGS`); also the trainers' own ``quantization_config``
+    argument and ``trust_remote_code=True``. Called only with ``stream_layers=True``: resident
+    models go through ``from_pretrained(**model_init_kwargs)``, which honours every key."""
+    init_kwargs = dict(init_kwargs or {})
+    resident = "or pass stream_layers=False to load the model with from_pretrained(**model_init_kwargs)"
+    if quantization_config is not None:
+        raise SettingError(
+            "the trainer's quantization_config argument is not used with stream_layers=True: pass it as "
+            "model_init_kwargs={'quantization_config': ...} or set stream_quantization='nf4', " + resident + "."
+        )
+    if init_kwargs.get("quantization_config") is not None:
+        from deg_hf.streaming.quant import resolve_spec
+
+        try:  # 4-bit bitsandbytes is stored 4-bit; every other method is refused there, saying why
+            resolve_spec(settings, init_kwargs["quantization_config"])
+        except ValueError as exc:
+            raise SettingError(f"model_init_kwargs['quantization_config']: {exc}") from None
+    if init_kwargs.get("device_map") is not None:
+        raise SettingError(
+            f"model_init_kwargs['device_map']={init_kwargs['device_map']!r} cannot be honoured with "
+            "stream_layers=True: deg_hf places the model itself (embeddings, final norm and LM head on the "
+            "training device, decoder layers streamed from host memory). Remove device_map (choose the "
+            "device with use_cpu or CUDA_VISIBLE_DEVICES), " + resident + "."
+        )
+    init_kwargs.pop("device_map", None)
+    if init_kwargs.get("trust_remote_code") or trust_remote_code:
+        raise SettingError(
+            "trust_remote_code=True cannot be honoured with stream_layers=True: layer streaming builds "
+            "transformers' own architectures and never runs a checkpoint's custom modelling code. Use a "
+            "checkpoint supported by transformers itself, " + resident + "."
+        )
+    unknown = sorted(k for k in init_kwargs if k not in STREAMED_INIT_KWARGS)
+    if unknown:
+        honoured = ", ".join(STREAMED_INIT_KWARGS)
+        raise SettingError(
+            f"model_init_kwargs[{unknown[0]!r}] is not used when layers are streamed: deg_hf builds the model "
+            f"itself and honours only {honoured} (got {', '.join(map(repr, unknown))}). Remove "
+            f"{'it' if len(unknown) == 1 else 'them'}, " + resident + "."
+        )
+    for key in ("dtype", "torch_dtype"):
+        if init_kwargs.get(key) is not None:
+            _check_dtype(key, init_kwargs[key])
+    for key in ("attn_implementation", "revision"):
+        value = init_kwargs.get(key)
+        if value is not None and not isinstance(value, str):
+            raise SettingError(f"model_init_kwargs[{key!r}] must be a string or None, got {_describe(value)}")
+
+
+def _check_dtype(key: str, value) -> None:
+    import torch
+
+    if isinstance(value, torch.dtype) and value.is_floating_point:
+        return
+    if isinstance(value, str) and (value == "auto" or (
+            isinstance(getattr(torch, value, None), torch.dtype) and getattr(torch, value).is_floating_point)):
+        return
+    raise SettingError(
+        f"model_init_kwargs[{key!r}] must be 'auto', a floating torch dtype or its name ('bfloat16', "
+        f"'float16', 'float32'), got {_describe(value)}"
+    )
 
 
 def _lazy_config_classes():

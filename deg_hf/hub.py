@@ -4,7 +4,9 @@
 adapter, the tokenizer, ``deg.json``, a ``README.md`` model card written from it and the training
 log; optimizer, scheduler and RNG state only on request; ``training_args.bin`` (a pickle of the
 arguments, Hub token included) never. Everything is checked before the first remote call: the repo
-id, the record, the adapter weights, and that no file to upload holds a Hub token or a local path.
+id, the record, the adapter weights, and that no file to upload holds a Hub token or a local path or
+is a symlink out of the checkpoint. The card is rendered into the upload: a push never writes to
+the checkpoint directory.
 
 huggingface_hub is imported inside the functions, so importing this module stays cheap.
 """
@@ -12,7 +14,6 @@ huggingface_hub is imported inside the functions, so importing this module stays
 from __future__ import annotations
 
 import fnmatch
-import glob
 import json
 import os
 import re
@@ -45,6 +46,7 @@ __all__ = [
     "write_model_card",
     "select_upload_files",
     "scan_for_secrets",
+    "HubUnreachableError",
     "push_checkpoint",
 ]
 
@@ -77,6 +79,12 @@ _TASK_DESCRIPTIONS = {
     "simpo": "Simple Preference Optimization",
 }
 _CHUNK = 8 * 1024 * 1024
+# an absolute path in text: two or more components after a root ("/data/run", "C:\\Users\\me"), not
+# the tail of a URL ("https://host/a/b") nor a relative path ("data/run")
+_ABSOLUTE_PATH_RE = re.compile(r"(?<![\w.:/~\\%-])/[\w.@+-]+/[\w.@+/-]*|\b[A-Za-z]:(?:\\\\|\\|/)[\w.@+ -]+")
+_BINARY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".model")
+# vocabularies: their tokens may look like paths ("/usr/bin" is a token of code tokenizers)
+_VOCABULARY_FILES = ("vocab.json", "vocab.txt", "merges.txt")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -298,10 +306,13 @@ def _local_path_needles(checkpoint_dir: Path) -> dict[bytes, str]:
     return needles
 
 
-def _read_chunks(path: Path, overlap: int) -> Iterable[bytes]:
+def _read_chunks(data: bytes | Path, overlap: int) -> Iterable[bytes]:
     """The bytes worth scanning: a safetensors file's JSON header only, any other file whole."""
-    with path.open("rb") as handle:
-        if path.suffix == ".safetensors":
+    if isinstance(data, bytes):
+        yield data
+        return
+    with data.open("rb") as handle:
+        if data.suffix == ".safetensors":
             head = handle.read(8)
             if len(head) == 8:
                 size = int.from_bytes(head, "little")
@@ -330,47 +341,129 @@ def _json_local_paths(value: Any, key: str = "") -> Iterable[tuple[str, str]]:
             yield from _json_local_paths(item, str(k))
 
 
-def scan_for_secrets(checkpoint_dir: str | os.PathLike, files: Iterable[str], *, token: str | None = None) -> None:
-    """Raise ``ValueError`` when a file to upload holds a Hub token or a local absolute path.
+def _text_to_scan(name: str, data: bytes) -> str | None:
+    """The text of an uploaded file in which absolute paths are looked for: None for binary files
+    and pure vocabularies (whose tokens may look like paths); a tokenizer.json without its vocabulary."""
+    if name.endswith(_BINARY_SUFFIXES) or name in _VOCABULARY_FILES:
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if name == "tokenizer.json":
+        try:
+            content = json.loads(text)
+            model = content.get("model")
+            if isinstance(model, dict):
+                content["model"] = {k: v for k, v in model.items() if k not in ("vocab", "merges")}
+            return json.dumps(content, ensure_ascii=False)
+        except (ValueError, AttributeError):
+            return text
+    return text
+
+
+def _outward_symlink(directory: Path, name: str) -> str | None:
+    """Where ``name`` leads when it is a symlink out of ``directory`` (None when it stays inside)."""
+    path = directory / name
+    if not path.is_symlink():
+        return None
+    root = os.path.realpath(directory)
+    target = os.path.realpath(path)
+    return None if os.path.commonpath([root, target]) == root else target
+
+
+def scan_for_secrets(checkpoint_dir: str | os.PathLike, files: Iterable[str], *, token: str | None = None,
+                     contents: Mapping[str, bytes] | None = None) -> None:
+    r"""Raise ``ValueError`` when a file to upload holds a Hub token or a local absolute path, or is a
+    symlink leading out of the checkpoint.
 
     Looks for the known token (``token``, ``HF_TOKEN``, the stored login) and anything shaped like a
-    Hub token, the checkpoint directory's and the home directory's absolute paths, and, in
-    ``adapter_config.json``, ``deg.json`` and ``trainer_state.json``, any string that is an existing
-    local path. The token itself is never echoed.
+    Hub token; in every text file, any absolute local path (``/a/b...``, ``C:\...``), and in binary
+    files the checkpoint directory's and the home directory's absolute paths; in ``adapter_config.json``,
+    ``deg.json`` and ``trainer_state.json``, any string that is an existing local path. ``contents``
+    gives the bytes of files uploaded from memory (the model card) instead of from the directory.
+    The token itself is never echoed.
     """
     directory = Path(checkpoint_dir)
+    contents = dict(contents or {})
     tokens = [t.encode("utf-8") for t in _known_tokens(token)]
     needles = _local_path_needles(directory)
     overlap = max([len(n) for n in [*tokens, *needles]] + [64])
     problems: list[str] = []
     for name in files:
-        path = directory / name
         found: list[str] = []
-        for chunk in _read_chunks(path, overlap):
+        source = contents.get(name)
+        if source is None:
+            target = _outward_symlink(directory, name)
+            if target is not None:
+                problems.append(f"{name} is a symlink to {target}, outside the checkpoint (copy the file in to "
+                                "upload it)")
+                continue
+            source = directory / name
+        for chunk in _read_chunks(source, overlap):
             if any(t in chunk for t in tokens):
                 found.append("your Hugging Face token")
             elif _HF_TOKEN_BYTES_RE.search(chunk):
                 found.append("a Hugging Face token (hf_...)")
             found.extend(what for needle, what in needles.items() if needle in chunk)
-        if name in _PATH_CHECKED_JSON and path.stat().st_size <= 64 * 1024 * 1024:
-            try:
-                content = json.loads(path.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                content = None
-            for key, value in _json_local_paths(content):
-                found.append(f"the local path {value} (key '{key}')")
+        size = len(source) if isinstance(source, bytes) else source.stat().st_size
+        if size <= 64 * 1024 * 1024:
+            data = source if isinstance(source, bytes) else source.read_bytes()
+            paths: dict[str, str] = {}
+            text = _text_to_scan(name, data)
+            if text is not None:
+                for match in _ABSOLUTE_PATH_RE.finditer(text):
+                    paths.setdefault(match.group(0), f"the local path {match.group(0)}")
+            if name in _PATH_CHECKED_JSON:
+                try:
+                    content = json.loads(data.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    content = None
+                for key, value in _json_local_paths(content):
+                    paths[value] = f"the local path {value} (key '{key}')"
+            found.extend(paths.values())
         if found:
             problems.append(f"{name} contains {', '.join(dict.fromkeys(found))}")
     if problems:
         hint = ""
         if any(p.startswith("adapter_config.json") for p in problems):
             hint = "; set base_model_name_or_path in adapter_config.json to the base model's Hub id"
-        raise ValueError(f"refusing to upload {directory.name}: " + "; ".join(problems) + hint)
+        raise ValueError(f"refusing to upload {directory.name} (nothing was sent or changed): " + "; ".join(problems)
+                         + hint)
 
 
 # ----------------------------------------------------------------------------------------------------
 # push
 # ----------------------------------------------------------------------------------------------------
+
+
+class HubUnreachableError(ConnectionError):
+    """The Hub could not be reached (no network, offline mode, a wrong endpoint)."""
+
+
+def is_network_error(exc: BaseException) -> bool:
+    """True for the failures of reaching a server at all (not for answers such as 404 or 401)."""
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    if isinstance(exc, (OfflineModeIsEnabled, TimeoutError, ConnectionError)):
+        return True
+    # huggingface_hub's HTTP client (httpx) raises its own transport errors
+    return any(c.__name__ in ("TransportError", "TimeoutException") for c in type(exc).__mro__)
+
+
+def unreachable(exc: BaseException, what: str) -> HubUnreachableError:
+    """One line naming the endpoint and what to check, for a network failure ``exc`` during ``what``."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    endpoint = constants.ENDPOINT
+    reason = " ".join(str(exc).split())[:160] or type(exc).__name__
+    transport = any(c.__name__ in ("TransportError", "TimeoutException") for c in type(exc).__mro__)
+    if isinstance(exc, OfflineModeIsEnabled) or (constants.HF_HUB_OFFLINE and not transport):
+        return HubUnreachableError(f"cannot {what}: offline mode is on (HF_HUB_OFFLINE is set); unset it to reach "
+                                   f"the Hub at {endpoint}")
+    return HubUnreachableError(f"cannot {what}: the Hub at {endpoint} cannot be reached ({reason}); check your "
+                               "network connection, or HF_ENDPOINT if you use a mirror")
 
 
 def _validate_repo_id(repo_id: Any) -> None:
@@ -398,9 +491,12 @@ def push_checkpoint(
 
     Before any remote call: the repo id is validated (``ValueError``), ``deg.json`` is read and
     validated and the adapter weights and ``adapter_config.json`` must be present
-    (:class:`~deg_hf.checkpoint.DegJsonError`), ``README.md`` is (re)written from the record and
-    every file to upload is scanned for tokens and local paths (``ValueError``). Then the repo is
-    created if needed (and the branch ``revision``) and the selected files are uploaded in one commit.
+    (:class:`~deg_hf.checkpoint.DegJsonError`), the ``README.md`` model card is rendered from the
+    record (into the upload: the checkpoint directory is never written to), and every file to upload,
+    the card included, is scanned for tokens, local paths and symlinks leading out of the checkpoint
+    (``ValueError``). Then the repo is created if needed (and the branch ``revision``) and the files
+    are uploaded in one commit. A network failure raises :class:`HubUnreachableError`, naming the
+    endpoint.
     """
     _validate_repo_id(repo_id)
     directory = Path(checkpoint_dir)
@@ -408,27 +504,29 @@ def push_checkpoint(
     check_checkpoint(directory)
     if not (directory / "adapter_config.json").is_file():
         raise DegJsonError(f"{directory} has adapter weights but no adapter_config.json: PEFT cannot load it")
-    write_model_card(directory, record, repo_id=repo_id)
-    files = select_upload_files(directory, include_optimizer=include_optimizer)
-    scan_for_secrets(directory, files, token=token)
+    card = model_card(record, repo_id=repo_id, tokenizer_in_repo=_has_tokenizer(directory))
+    contents = {README: str(card).encode("utf-8")}
+    files = sorted(set(select_upload_files(directory, include_optimizer=include_optimizer)) | {README})
+    scan_for_secrets(directory, files, token=token, contents=contents)
 
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
 
     api = HfApi(token=token)
-    repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    full_id = getattr(repo_url, "repo_id", None) or repo_id
-    if revision:
-        api.create_branch(full_id, branch=revision, repo_type="model", exist_ok=True)
+    operations = [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=contents.get(name, str(directory / name)))
+        for name in files
+    ]
     message = commit_message or f"Upload {record['task'].upper()} adapter trained with deg_hf"
-    api.upload_folder(
-        folder_path=str(directory),
-        repo_id=full_id,
-        repo_type="model",
-        revision=revision,
-        commit_message=message,
-        allow_patterns=[glob.escape(name) for name in files],
-        ignore_patterns=list(NEVER_UPLOAD),
-    )
+    try:
+        repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        full_id = getattr(repo_url, "repo_id", None) or repo_id
+        if revision:
+            api.create_branch(full_id, branch=revision, repo_type="model", exist_ok=True)
+        api.create_commit(full_id, operations, commit_message=message, repo_type="model", revision=revision)
+    except Exception as exc:
+        if is_network_error(exc):
+            raise unreachable(exc, f"push {directory.name} to {repo_id}") from None
+        raise
     url = str(repo_url) if repo_url else f"{api.endpoint.rstrip('/')}/{full_id}"
     if revision:
         url = f"{url.rstrip('/')}/tree/{revision}"

@@ -248,7 +248,10 @@ def format_plan(result: dict, source: str) -> str:
 
 def run(args) -> int:
     """``deg-hf plan MODEL``: print the plan; 0 when it was computed (bad input raises ValueError)."""
+    from deg_hf.streaming.checks import check_causal_lm
+
     config, source = read_config(args.model)
+    check_causal_lm(config, source)  # an encoder or encoder-decoder has no decoder layers to plan
     result = plan(
         config, task=args.task, batch=args.batch, max_length=args.max_length, vram=args.vram, lora_r=args.lora_r
     )

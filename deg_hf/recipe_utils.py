@@ -54,6 +54,17 @@ def parse_args(config_class, recipe: str, argv=None):
     return script_args, training_args, model_args
 
 
+def resume_from(training_args):
+    """``--resume_from_checkpoint`` as ``train()`` takes it: ``true`` (the newest complete checkpoint-N
+    in output_dir, or from the beginning when there is none), a checkpoint path, or None."""
+    value = training_args.resume_from_checkpoint
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "false", "no", "0", "none")):
+        return None
+    if value is True or (isinstance(value, str) and value.strip().lower() in ("true", "yes", "1")):
+        return True
+    return value
+
+
 def _quantization_config(model_args):
     """TRL's ``ModelConfig`` quantization flags as the ``BitsAndBytesConfig`` TRL builds from them
     (``trl.get_quantization_config``), with the compute dtype left to the model when ``--dtype auto``."""

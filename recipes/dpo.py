@@ -16,7 +16,7 @@ a summary table and OUTPUT_DIR/run.png (`make demo`: dpo.yaml, --stream_buffers 
 from trl import get_peft_config
 
 from deg_hf import StreamedDPOConfig, StreamedDPOTrainer
-from deg_hf.recipe_utils import load_data, parse_args, print_summary, reward_accuracy
+from deg_hf.recipe_utils import load_data, parse_args, print_summary, resume_from, reward_accuracy
 
 RECIPE, VIEW = "dpo", "preference"
 
@@ -32,7 +32,7 @@ def main(argv=None):
         peft_config=get_peft_config(model_args),  # None: deg_hf's default LoRA
     )
     before = reward_accuracy(trainer) if script_args.summary else None  # untrained: 0.5, policy == reference
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from(training_args))  # true: newest complete checkpoint
     trainer.save_model()  # adapter + deg.json + README card
     if eval_dataset is not None:
         trainer.log_metrics("eval", trainer.evaluate())

@@ -15,7 +15,7 @@ LoRA adapter.
 from trl import get_peft_config
 
 from deg_hf import SimPOConfig, StreamedSimPOTrainer
-from deg_hf.recipe_utils import load_data, parse_args, print_summary
+from deg_hf.recipe_utils import load_data, parse_args, print_summary, resume_from
 
 RECIPE, VIEW = "simpo", "preference"
 
@@ -30,7 +30,7 @@ def main(argv=None):
         eval_dataset=eval_dataset,
         peft_config=get_peft_config(model_args),  # None: deg_hf's default LoRA
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from(training_args))  # true: newest complete checkpoint
     trainer.save_model()  # adapter + deg.json + README card
     if eval_dataset is not None:
         trainer.log_metrics("eval", trainer.evaluate())

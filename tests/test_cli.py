@@ -134,12 +134,12 @@ def fake_hub(monkeypatch):
     def create_branch(self, repo_id, **kwargs):
         calls.append(("create_branch", repo_id, kwargs))
 
-    def upload_folder(self, **kwargs):
-        calls.append(("upload_folder", kwargs["repo_id"], kwargs))
+    def create_commit(self, repo_id, operations, **kwargs):
+        calls.append(("create_commit", repo_id, {**kwargs, "files": [op.path_in_repo for op in operations]}))
 
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
     monkeypatch.setattr(huggingface_hub.HfApi, "create_branch", create_branch)
-    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", create_commit)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     return calls
@@ -150,13 +150,12 @@ def test_push_in_process(tmp_path, fake_hub, capsys):
     (ckpt / "optimizer.pt").write_bytes(b"state")
     assert main(["push", str(ckpt), "me/tiny-kto", "--private", "--revision", "exp", "--include-optimizer"]) == 0
     assert capsys.readouterr().out.strip() == "https://huggingface.co/me/tiny-kto/tree/exp"
-    assert [c[0] for c in fake_hub] == ["create_repo", "create_branch", "upload_folder"]
+    assert [c[0] for c in fake_hub] == ["create_repo", "create_branch", "create_commit"]
     assert fake_hub[0][2]["private"] is True
     assert fake_hub[1][2]["branch"] == "exp"
     upload = fake_hub[2][2]
     assert upload["revision"] == "exp"
-    assert "optimizer.pt" in upload["allow_patterns"] and "README.md" in upload["allow_patterns"]
-    assert (ckpt / "README.md").is_file()
+    assert "optimizer.pt" in upload["files"] and "README.md" in upload["files"]
 
 
 def test_push_errors_are_one_line_and_make_no_remote_call(tmp_path, fake_hub, capsys):

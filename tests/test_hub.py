@@ -10,8 +10,6 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 from huggingface_hub import ModelCard
-from huggingface_hub.utils import filter_repo_objects
-from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
 
 from deg_hf.checkpoint import DEG_JSON, DegJsonError, make_record, write_deg_json
 from deg_hf.hub import model_card, push_checkpoint, select_upload_files
@@ -106,21 +104,16 @@ def hub(monkeypatch):
     def create_branch(self, repo_id, **kwargs):
         calls.append(("create_branch", (repo_id,), kwargs))
 
-    def upload_folder(self, **kwargs):
-        calls.append(("upload_folder", (), kwargs))
-        folder = Path(kwargs["folder_path"])
-        ignore = kwargs.get("ignore_patterns") or []
-        ignore = [ignore] if isinstance(ignore, str) else list(ignore)
-        names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-        for name in filter_repo_objects(
-            names, allow_patterns=kwargs.get("allow_patterns"), ignore_patterns=ignore + DEFAULT_IGNORE_PATTERNS
-        ):
-            uploaded[name] = (folder / name).read_bytes()
+    def create_commit(self, repo_id, operations, **kwargs):
+        calls.append(("create_commit", (repo_id,), kwargs))
+        for op in operations:
+            source = op.path_or_fileobj
+            uploaded[op.path_in_repo] = source if isinstance(source, bytes) else Path(source).read_bytes()
         return None
 
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
     monkeypatch.setattr(huggingface_hub.HfApi, "create_branch", create_branch)
-    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", create_commit)
     monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: FAKE_TOKEN)
     return {"calls": calls, "uploaded": uploaded}
@@ -139,23 +132,24 @@ def _assert_clean(uploaded: dict[str, bytes], checkpoint: Path) -> None:
 def test_push_uploads_exactly_the_adapter_files(checkpoint, hub):
     url = push_checkpoint(checkpoint, "me/tiny-dpo")
     assert url == "https://huggingface.co/me/tiny-dpo"
-    assert [c[0] for c in hub["calls"]] == ["create_repo", "upload_folder"]
+    assert [c[0] for c in hub["calls"]] == ["create_repo", "create_commit"]
     _, args, kwargs = hub["calls"][0]
     assert args == ("me/tiny-dpo",)
     assert kwargs == {"private": False, "exist_ok": True, "repo_type": "model"}
-    upload = hub["calls"][1][2]
-    assert upload["repo_id"] == "me/tiny-dpo" and upload["repo_type"] == "model" and upload["revision"] is None
-    assert Path(upload["folder_path"]) == checkpoint
+    _, args, upload = hub["calls"][1]
+    assert args == ("me/tiny-dpo",) and upload["repo_type"] == "model" and upload["revision"] is None
     assert set(hub["uploaded"]) == BASE_FILES
     _assert_clean(hub["uploaded"], checkpoint)
     assert select_upload_files(checkpoint) == sorted(BASE_FILES)
+    # the card went up rendered from deg.json; the one in the directory is untouched
+    assert "PEFT's own card" in (checkpoint / "README.md").read_text()
 
 
 def test_push_with_optimizer_and_revision(checkpoint, hub):
     url = push_checkpoint(checkpoint, "me/tiny-dpo", private=True, revision="exp-1", include_optimizer=True,
                           commit_message="resume state")
     assert url == "https://huggingface.co/me/tiny-dpo/tree/exp-1"
-    assert [c[0] for c in hub["calls"]] == ["create_repo", "create_branch", "upload_folder"]
+    assert [c[0] for c in hub["calls"]] == ["create_repo", "create_branch", "create_commit"]
     assert hub["calls"][0][2]["private"] is True
     assert hub["calls"][1][1] == ("me/tiny-dpo",)
     assert hub["calls"][1][2] == {"branch": "exp-1", "repo_type": "model", "exist_ok": True}
@@ -168,7 +162,7 @@ def test_push_with_optimizer_and_revision(checkpoint, hub):
 
 def test_push_to_a_bare_repo_name_uses_the_returned_namespace(checkpoint, hub):
     assert push_checkpoint(checkpoint, "tiny-dpo") == "https://huggingface.co/me/tiny-dpo"
-    assert hub["calls"][-1][2]["repo_id"] == "me/tiny-dpo"
+    assert hub["calls"][-1][1] == ("me/tiny-dpo",)
 
 
 def test_model_card_metadata_and_body(checkpoint, hub):

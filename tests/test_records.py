@@ -327,10 +327,12 @@ def test_restore_from_checkpoint_puts_planner_state_and_counters_back(checkpoint
 
     path = checkpoint("llama")
     out = tmp_path / "run"
-    first = sft_trainer(path, out, stream=False, save_strategy="steps", save_steps=1, max_steps=1)
+    # counters as a long run leaves them: 1 skip in 100 examples (under oom_max_skip_fraction)
+    first = sft_trainer(path, out, stream=False, save_strategy="steps", save_steps=1, max_steps=1,
+                        oom_max_skip_fraction=0.5)
     planner = _planner(first)
     planner.load_state_dict({"scale": 1.75, "window": [1.2, 1.6], "counters": {"observed": 2, "raised": 1}})
-    _set_counters(first, parts=5, oom_retry=2, oom_skip=1, skipped=["ex-17"])
+    _set_counters(first, parts=5, oom_retry=2, oom_skip=1, examples=100, skipped=["ex-17"])
     first.train()
     saved = planner.state_dict()
     record = read_deg_json(out / "checkpoint-1")

@@ -170,15 +170,19 @@ def test_a_skipped_example_leaves_no_trace(checkpoint, tmp_path, task):
     never.data_collator.collator = DropExample(never.data_collator.collator, micro_batch, position)
     want = run(never)
 
-    skipping = build(task, path, tmp_path / "skip")
+    # 1 skip in 6 examples: past the default oom_max_skip_fraction, which test_memory_limits.py covers
+    skipping = build(task, path, tmp_path / "skip", oom_max_skip_fraction=0.5)
+    row = []
 
     def fault(info, phase):  # that example never fits, not even alone; the rest always do
         if info.micro_batch == micro_batch and position in info.indices:
+            row.append(info.uids[info.indices.index(position)])
             oom()
 
     skipping.set_fault_hook(fault)
     got = run(skipping)
-    assert skipping.deg_counters["oom_skip"] == 1 and skipping.deg_counters["skipped"] == [position]
+    assert skipping.deg_counters["oom_skip"] == 1 and skipping.deg_counters["skipped"] == row[-1:]
+    assert row[-1] in range(len(skipping.train_dataset))  # a dataset row id
     assert_same(got.grads[0], want.grads[0])  # bit for bit
     assert_same(got.after[0], want.after[0])  # weights, optimizer moments, scheduler
     rows = [json.loads(x) for x in open(os.path.join(tmp_path / "skip", "train.log.jsonl"))]
@@ -187,7 +191,7 @@ def test_a_skipped_example_leaves_no_trace(checkpoint, tmp_path, task):
 
 
 def test_a_window_with_every_example_skipped_takes_no_step(checkpoint, tmp_path):
-    trainer = build("sft", checkpoint("llama"), tmp_path, max_steps=2, learning_rate=1e-2)
+    trainer = build("sft", checkpoint("llama"), tmp_path, max_steps=2, learning_rate=1e-2, oom_max_skip_fraction=0.5)
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
     def fault(info, phase):
@@ -211,7 +215,7 @@ def test_a_window_with_every_example_skipped_takes_no_step(checkpoint, tmp_path)
 
 
 def test_counters_and_events_reach_the_logs_and_train_log_jsonl(checkpoint, tmp_path):
-    trainer = build("dpo", checkpoint("llama"), tmp_path, max_steps=2, rows=24)
+    trainer = build("dpo", checkpoint("llama"), tmp_path, max_steps=2, rows=24, oom_max_skip_fraction=0.2)
 
     def fault(info, phase):
         if len(info) > 1 and phase == "forward":

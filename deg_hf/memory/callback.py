@@ -41,6 +41,9 @@ class MemoryPlanCallback(TrainerCallback):
 
     # -- events
     def on_train_begin(self, args, state, control, **kwargs):
+        # a resumed run starts from the counters its checkpoint recorded: log what happens from here
+        engine = self.trainer.deg_engine
+        self._last = {k: getattr(engine.counters, k) for k in self._last}
         planner = self.trainer.deg_planner
         row = {"event": "mem_plan", "step": state.global_step, "streaming": self.trainer.stream_runtime is not None}
         if planner is not None:
@@ -85,8 +88,33 @@ class MemoryPlanCallback(TrainerCallback):
         self._write(args, state, {"event": "step_skipped", "step": state.global_step,
                                   "reason": "every example of the accumulation window ran out of memory"})
 
+    def on_step_end(self, args, state, control, **kwargs):
+        # stop as soon as the skips pass the share the whole run allows: the end could only confirm it
+        planned = state.max_steps * args.gradient_accumulation_steps * args.per_device_train_batch_size
+        self._check_skips(args, state, planned=planned if state.max_steps > 0 else None)
+
     def on_train_end(self, args, state, control, **kwargs):
         self._flush_events(args, state)
+        self._check_skips(args, state)
+
+    def _check_skips(self, args, state, planned=None) -> None:
+        from deg_hf.memory.split_retry import check_skips
+
+        counters = self.trainer.deg_engine.counters
+        skipped, examples = counters.oom_skip, counters.examples
+        world = int(getattr(args, "world_size", 1) or 1)
+        if world > 1:  # every process decides on the same totals, so they all stop together
+            import torch
+            import torch.distributed as dist
+
+            both = torch.tensor([skipped, examples], device=args.device)
+            dist.all_reduce(both)
+            skipped, examples = (int(x) for x in both.tolist())
+            planned = planned * world if planned else None
+        if skipped:
+            self._flush_events(args, state)
+            check_skips(skipped, examples, counters.skipped, self.trainer.deg_stream.oom_max_skip_fraction,
+                        planned=planned)
 
 
 def _skip_next_step(obj) -> None:

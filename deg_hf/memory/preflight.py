@@ -3,7 +3,9 @@
 The pre-flight check runs before any weight is read (it needs config.json only): a run whose
 smallest unit (one example's rows at ``max_length``; two examples for KTO) cannot fit the target
 is refused with the numbers. Its estimate models the run as it will be (streamed when streaming),
-so a streamed run is never refused for what a resident run would need.
+so a streamed run is never refused for what a resident run would need. Without a ``max_length``
+(rows not truncated) the length is that of the longest tokenised row of the dataset, so the check
+then runs once the trainer has tokenised it.
 """
 
 from __future__ import annotations
@@ -62,9 +64,39 @@ def make_planner(model_config, settings, *, device, streaming: bool, trainable_p
     )
 
 
+#: tokenised columns that are whole rows, and those that follow a prompt in one row
+_ROW_COLUMNS = ("input_ids", "chosen_input_ids", "rejected_input_ids")
+_COMPLETION_COLUMNS = ("chosen_ids", "rejected_ids", "completion_ids", "KL_completion_ids")
+
+
+def longest_row(dataset) -> tuple[int, int] | None:
+    """``(tokens, row index)`` of the longest row a tokenised dataset puts through the model (a
+    prompt plus its longest completion for TRL's preference layouts); None when it cannot be told
+    (an iterable dataset, or no tokenised column)."""
+    names = getattr(dataset, "column_names", None)
+    if not names or not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return None
+    rows = [c for c in _ROW_COLUMNS if c in names]
+    completions = [c for c in _COMPLETION_COLUMNS if c in names]
+    if not rows and not ("prompt_ids" in names and completions):
+        return None
+    lengths = [0] * len(dataset)
+    for column in rows:
+        lengths = [max(n, len(x)) for n, x in zip(lengths, dataset[column])]
+    if "prompt_ids" in names and completions:
+        prompts = [len(x) for x in dataset["prompt_ids"]]
+        longest = [0] * len(dataset)
+        for column in completions:
+            longest = [max(n, len(x)) for n, x in zip(longest, dataset[column])]
+        lengths = [max(n, p + c) for n, p, c in zip(lengths, prompts, longest)]
+    index = max(range(len(lengths)), key=lengths.__getitem__)
+    return lengths[index], index
+
+
 def preflight(trainer_name: str, planner: MemPlanner, *, rows_per_example: int, kl_rows_per_example: int,
-              min_examples: int, batch: int, max_length: int) -> dict:
-    """Estimate the configured micro-batch and refuse a run whose smallest unit cannot fit."""
+              min_examples: int, batch: int, max_length: int, length_source: str | None = None) -> dict:
+    """Estimate the configured micro-batch and refuse a run whose smallest unit cannot fit.
+    ``length_source`` says where ``max_length`` came from when it is not the configured one."""
     rows = rows_per_example + kl_rows_per_example
 
     def need(examples: int) -> int:
@@ -76,6 +108,7 @@ def preflight(trainer_name: str, planner: MemPlanner, *, rows_per_example: int, 
         "rows_per_example": rows,
         "batch": batch,
         "max_length": max_length,
+        "length_source": length_source or "max_length",
         "estimated_peak_bytes": need(max(batch, min_examples)),
         "smallest_unit_bytes": need(min_examples),
     }
@@ -84,7 +117,8 @@ def preflight(trainer_name: str, planner: MemPlanner, *, rows_per_example: int, 
             f"{trainer_name} cannot fit the memory target: its smallest unit ({min_examples} example(s) x "
             f"{rows} row(s) x {max_length} tokens) needs an estimated {report['smallest_unit_bytes'] / GIB:.2f} GiB "
             f"({planner.static_bytes / GIB:.2f} GiB of weights in flight, adapters and optimizer state, plus "
-            f"activations) but mem_target_gb is {planner.target_bytes / GIB:.2f} GiB. Lower max_length or the "
-            "LoRA rank, keep stream_layers=True, or raise mem_target_gb."
+            f"activations) but mem_target_gb is {planner.target_bytes / GIB:.2f} GiB"
+            + (f" ({max_length} tokens: {length_source}, max_length=None)" if length_source else "")
+            + ". Lower max_length or the LoRA rank, keep stream_layers=True, or raise mem_target_gb."
         )
     return report

@@ -81,11 +81,38 @@ class Counters:
     oom_retry: int = 0
     oom_skip: int = 0
     trunk_forks: int = 0  # single pairs rescued by running their prompt and completions apart
-    skipped: list = field(default_factory=list)
+    examples: int = 0  # examples the training loop handed over (each micro-batch counted once)
+    skipped: list = field(default_factory=list)  # dataset row ids of the skipped examples
 
     def as_dict(self) -> dict:
         return {"parts": self.parts, "oom_retry": self.oom_retry, "oom_skip": self.oom_skip,
-                "trunk_forks": self.trunk_forks, "skipped": list(self.skipped)}
+                "trunk_forks": self.trunk_forks, "examples": self.examples, "skipped": list(self.skipped)}
+
+
+class SkipLimitError(RuntimeError):
+    """A run that skipped every example, or more than ``oom_max_skip_fraction`` of them, for memory:
+    stopping beats finishing with an adapter trained on what happened to fit."""
+
+
+def check_skips(skipped: int, examples: int, ids: list, limit: float, *, planned: int | None = None) -> None:
+    """Raise :class:`SkipLimitError` when ``skipped`` of ``examples`` is every example, or more than
+    ``limit`` of them. With ``planned`` (the examples the whole run will see) it raises as soon as the
+    skips already pass ``limit`` of that total, when the end of the run could only confirm it."""
+    shown = ", ".join(str(i) for i in ids[:12]) + (" ..." if len(ids) > 12 else "")
+    remedy = ("lower max_length so long rows are truncated, filter the longest rows out of the dataset, "
+              "lower per_device_train_batch_size, or set mem_target_gb to the device's real memory")
+    if planned is None and examples and skipped >= examples:
+        raise SkipLimitError(
+            f"every one of the {examples} examples this run saw was skipped because it ran out of memory even "
+            f"alone (dataset rows {shown}): nothing was trained. To fit them, {remedy}."
+        )
+    total = planned if planned else examples
+    if total and skipped > limit * total and skipped:
+        raise SkipLimitError(
+            f"{skipped} examples were skipped because they ran out of memory even alone (dataset rows {shown}), "
+            f"more than oom_max_skip_fraction={limit} of the run's {total} examples allows. To fit them, {remedy}; "
+            "or raise oom_max_skip_fraction to train without them."
+        )
 
 
 class SplitRetryEngine:
@@ -122,6 +149,7 @@ class SplitRetryEngine:
             w, m = self.window, 0
         if w.num_items is not None:
             num_items_in_batch = w.num_items
+        self.counters.examples += mb.n_examples(self.trainer._deg_strip_features(inputs), self.trainer.deg_stacked_pairs)
         self._correction = 0.0
         loss = self._run_micro_batch(model, m, num_items_in_batch, run_part)
         # the training loop already added the replayed micro-batches' old losses to its total

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deg_hf.config import check_setting
+from deg_hf.streaming.checks import check_model_files
 from deg_hf.streaming.layer import attach, store_name
 from deg_hf.streaming.quant import QuantSpec, bnb_config_dict, method_of
 from deg_hf.streaming.runtime import StreamRuntime
@@ -84,8 +86,7 @@ def build_streamed_model(
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if stream_buffers < 1:
-        raise ValueError(f"stream_buffers must be >= 1 (one layer on the device at a time), got {stream_buffers}")
+    check_setting("stream_buffers", stream_buffers)
     local = resolve_checkpoint(name_or_path, revision)
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cpu":
@@ -93,6 +94,7 @@ def build_streamed_model(
         # ``cpu``, so ``Parameter.to("cpu:0")`` would hand back a copy that is no longer a Parameter
         device = torch.device("cpu")
     config = AutoConfig.from_pretrained(local)
+    check_model_files(local, config, source=name_or_path)
     dtype = dtype or checkpoint_dtype(config) or default_dtype(device)
     saved_quant = check_prequantized(name_or_path, config)
     if saved_quant:

@@ -15,7 +15,7 @@ import inspect
 import logging
 import warnings
 
-from deg_hf.config import ROLLOUT_REFUSAL, stream_settings
+from deg_hf.config import ROLLOUT_REFUSAL, check_model_init_kwargs, stream_settings
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +84,17 @@ class StreamingSetupMixin:
                 "(or set stream_layers=False to train resident with an explicit reference)."
             )
         if settings.stream_layers:
+            check_model_init_kwargs(getattr(config, "model_init_kwargs", None), settings,
+                                    quantization_config=params.get("quantization_config"),
+                                    trust_remote_code=getattr(config, "trust_remote_code", False))
             _refuse_base_reading_peft(peft_config)
             _refuse_sharded_engines(config)
+        elif model is not None:  # streamed builds check the model's files themselves
+            from deg_hf.streaming.checks import check_causal_lm
+
+            model_config = self._deg_model_config(model)
+            if model_config is not None:
+                check_causal_lm(model_config, model if isinstance(model, str) else type(model).__name__)
         self.deg_preflight = self._deg_preflight(model, config, settings, peft_config)
         model = self._deg_build_model(model, config, settings)
         try:
@@ -107,6 +116,13 @@ class StreamingSetupMixin:
                 # adapters on streamed layers were created on `meta` (their base layer's device)
                 materialize_adapters(self.model, self.stream_runtime.device)
             self._deg_setup_memory(settings)
+            if self.__dict__.get("_deg_preflight_deferred", False) is not False:
+                from deg_hf.memory.preflight import longest_row
+
+                longest = longest_row(self.train_dataset)
+                if longest is not None:
+                    self.deg_preflight = self._deg_preflight(
+                        self.model, self.args, settings, self._deg_preflight_deferred, longest=longest)
             self._deg_setup_prefix(config)
             from deg_hf.trainers.records import DegCheckpointCallback
 
@@ -227,21 +243,28 @@ class StreamingSetupMixin:
             return AutoConfig.from_pretrained(local)
         return getattr(model, "config", None)
 
-    def _deg_max_length(self, args) -> int:
+    def _deg_max_length(self, args) -> int | None:
+        """The configured truncation length; None when rows are not truncated."""
         for name in ("max_length", "max_seq_length"):
             value = getattr(args, name, None)
             if isinstance(value, int) and value > 0:
                 return value
-        return 1024
+        return None
 
-    def _deg_preflight(self, model, args, settings, peft_config):
-        """Estimate the configured micro-batch from config.json alone; refuse what cannot fit."""
+    def _deg_preflight(self, model, args, settings, peft_config, *, longest=None):
+        """Estimate the configured micro-batch from config.json alone; refuse what cannot fit. Without
+        a max_length the rows' length is the longest tokenised row (``longest``, ``(tokens, row)``):
+        the check then runs once the upstream trainer has tokenised the dataset."""
         if not settings.mem_plan or model is None:
             return None
         from deg_hf.memory.preflight import lora_params, make_planner, preflight, target_bytes
 
         if target_bytes(settings, args.device) is None:
             return None  # unlimited (CPU without mem_target_gb): nothing to refuse
+        max_length = self._deg_max_length(args) or (longest[0] if longest else None)
+        if max_length is None:
+            self._deg_preflight_deferred = peft_config
+            return None
         config = self._deg_model_config(model)
         if config is None:
             return None
@@ -258,7 +281,8 @@ class StreamingSetupMixin:
         return preflight(
             type(self).__name__, planner, rows_per_example=self.deg_rows_per_example,
             kl_rows_per_example=self.deg_kl_rows_per_example, min_examples=self.deg_min_batch,
-            batch=int(getattr(args, "per_device_train_batch_size", 1)), max_length=self._deg_max_length(args),
+            batch=int(getattr(args, "per_device_train_batch_size", 1)), max_length=max_length,
+            length_source=None if self._deg_max_length(args) else f"the longest tokenised row (dataset row {longest[1]})",
         )
 
     def _deg_setup_memory(self, settings) -> None:
@@ -312,7 +336,19 @@ class StreamingSetupMixin:
         if not self.deg_prefix.available:
             self.deg_prefix.note_fallback(self.deg_prefix.reason)
 
+    def _remove_unused_columns(self, dataset, description=None):
+        dataset = super()._remove_unused_columns(dataset, description)
+        if description != "Training":
+            return dataset
+        from deg_hf.memory.collator import with_row_ids
+
+        return with_row_ids(dataset)  # skipped examples are then reported as dataset rows
+
     def _get_train_sampler(self, train_dataset=None):
+        from deg_hf.memory.collator import RowIds
+
+        if isinstance(train_dataset, RowIds):  # samplers read the dataset's own columns
+            train_dataset = train_dataset.dataset
         if not (self.deg_prefix_capable and getattr(self.args, "group_by_prompt", False)):
             return super()._get_train_sampler(train_dataset)
         from deg_hf.prefix.sampler import PromptGroupedSampler, prompt_keys
@@ -453,16 +489,44 @@ class StreamingSetupMixin:
             runtime.close()
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        from deg_hf.trainers.records import restore_from_checkpoint
+        from deg_hf.trainers.records import resolve_resume_checkpoint, restore_from_checkpoint
 
         try:
+            # True: the newest *complete* checkpoint-N (or none: from the beginning); a path must be complete
+            resume_from_checkpoint = resolve_resume_checkpoint(self, resume_from_checkpoint)
             # a resumed run plans like the run that saved it: calibration and counters from deg.json
             restore_from_checkpoint(self, resume_from_checkpoint)
+            if resume_from_checkpoint is not None and self._deg_run_was_complete(resume_from_checkpoint):
+                return self._deg_finished_run(resume_from_checkpoint)
             _ddp_sees_only_trainable(self.model)
             return super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException:
             self.release_stream()
             raise
+
+    def _deg_run_was_complete(self, checkpoint) -> bool:
+        import json
+        import os
+
+        with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as fh:
+            step = int(json.load(fh).get("global_step") or 0)
+        return self.args.max_steps > 0 and step >= self.args.max_steps
+
+    def _deg_finished_run(self, checkpoint):
+        """Resuming from the last checkpoint of a ``max_steps`` run: the Trainer would take one step
+        more than ``max_steps`` (it checks the bound only after a step); load the weights and state
+        instead, so the model is exactly the finished run's."""
+        import os
+
+        from transformers.trainer_callback import TrainerState
+        from transformers.trainer_utils import TrainOutput
+
+        logger.warning("%s is the last step of this run (max_steps=%d): its weights are loaded, nothing is left "
+                       "to train", checkpoint, self.args.max_steps)
+        self._load_from_checkpoint(checkpoint)
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+        losses = [row["loss"] for row in self.state.log_history if "loss" in row]
+        return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else 0.0, {})
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, **kwargs):
@@ -481,6 +545,58 @@ class StreamingSetupMixin:
             revision=revision or self.args.hub_revision, token=token or self.args.hub_token,
             commit_message=commit_message,
         )
+
+    # ------------------------------------------------------------------ atomic checkpoints
+    def _get_output_dir(self, trial):
+        # while a checkpoint is written, the Trainer's run directory is the staging directory
+        staged = getattr(self, "_deg_staged", None)
+        return staged.root if staged is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        """The Trainer's own save, written under ``.deg-staging/checkpoint-N`` and renamed to
+        ``checkpoint-N`` once complete (:mod:`deg_hf.checkpoint.atomic`); the Trainer's rotation
+        then runs on the run directory, which holds complete checkpoints only."""
+        import os
+
+        from transformers.trainer_utils import rotate_checkpoints
+
+        from deg_hf.checkpoint.atomic import StagedCheckpoint
+
+        run_dir = super()._get_output_dir(trial)
+        staged = StagedCheckpoint(run_dir, self.state.global_step, main=self.args.should_save)
+        staged.begin()
+        self._deg_barrier()
+        self._deg_staged = staged
+        try:
+            super()._save_checkpoint(model, trial)
+            best = staged.final_path(self.state.best_model_checkpoint)
+            if best != self.state.best_model_checkpoint:  # the best checkpoint is this one: its final name
+                self.state.best_model_checkpoint = best
+                if self.args.should_save:
+                    self.state.save_to_json(os.path.join(staged.staged, "trainer_state.json"))
+            self._deg_barrier()  # every process's files (its RNG state) are in
+            staged.commit()
+        except BaseException:
+            staged.abort()
+            raise
+        finally:
+            self._deg_staged = None
+        if staged.push_after_commit:
+            super()._push_from_checkpoint(staged.final)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _push_from_checkpoint(self, checkpoint_folder):
+        staged = getattr(self, "_deg_staged", None)
+        if staged is not None and staged.final_path(checkpoint_folder) != checkpoint_folder:
+            staged.push_after_commit = True  # uploaded from its final name once complete
+            return None
+        return super()._push_from_checkpoint(checkpoint_folder)
+
+    def _deg_barrier(self) -> None:
+        if self.args.world_size > 1:
+            self.accelerator.wait_for_everyone()
 
     def save_model(self, output_dir=None, _internal_call=False):
         super().save_model(output_dir, _internal_call)

@@ -4,8 +4,9 @@
 argument, streaming settings and statistics, the memory planner's state and the out-of-memory
 counters, the data, the metrics logged so far) and hands it to :func:`deg_hf.checkpoint.make_record`.
 :func:`write_checkpoint_files` writes ``deg.json`` and the ``README.md`` model card next to the
-adapter; :class:`DegCheckpointCallback` does it for every ``checkpoint-N`` directory the trainer
-saves, and :func:`restore_from_checkpoint` puts the planner state and the counters back on resume.
+adapter (for a ``checkpoint-N``, while it is staged: see :mod:`deg_hf.checkpoint.atomic`);
+:class:`DegCheckpointCallback` does it for checkpoints saved without them, and
+:func:`restore_from_checkpoint` puts the planner state and the counters back on resume.
 
 Like the rest of deg_hf's trainer support this module imports nothing heavy at module level:
 transformers' ``TrainerCallback`` is resolved when the callback class is first used.
@@ -34,7 +35,7 @@ __all__ = [
 #: a planner target at or above this many bytes stands for "no target" (the CPU default)
 UNLIMITED_TARGET_BYTES = 1 << 60
 #: counters whose totals deg.json records (and a resume restores)
-COUNTER_KEYS = ("parts", "oom_retry", "oom_skip", "trunk_forks")
+COUNTER_KEYS = ("parts", "oom_retry", "oom_skip", "trunk_forks", "examples")
 # log_history keys that are bookkeeping, not metrics
 _NOT_METRICS = frozenset({"step", "epoch", "total_flos"})
 # datasets' packaged builders: their dataset_name is the file format, not a name
@@ -325,8 +326,9 @@ def write_checkpoint_files(
     """Write ``deg.json`` and the ``README.md`` model card into ``directory`` (main process only).
 
     Returns the path of ``deg.json``, or None on the other processes. With ``strict=False`` (the
-    saves inside a training run) a failure is logged instead of raised: a long run is not stopped
-    for its metadata, and a checkpoint without ``deg.json`` still resumes.
+    saves inside a training run) a failure to build or validate the record is logged instead of
+    raised: a long run is not stopped for its metadata, and a checkpoint without ``deg.json`` still
+    resumes. A failure to write (``OSError``: a full disk) is raised either way: the save failed.
     """
     if not _is_main(trainer):
         return None
@@ -338,7 +340,7 @@ def write_checkpoint_files(
         # the card is written from the record exactly as it landed on disk (redacted for this directory)
         write_model_card(directory, read_deg_json(path), repo_id=getattr(trainer.args, "hub_model_id", None))
     except Exception as exc:
-        if strict:
+        if strict or isinstance(exc, OSError):
             raise
         logger.error("could not write deg.json into %s: %s", directory, exc, exc_info=True)
         return None
@@ -348,17 +350,31 @@ def write_checkpoint_files(
 def resolve_resume_checkpoint(trainer, resume_from_checkpoint) -> str | None:
     """The checkpoint directory ``train(resume_from_checkpoint=...)`` resumes from, or None.
 
-    ``True`` means the last ``checkpoint-N`` in ``args.output_dir`` (None when there is none: the
-    upstream ``train`` then raises its own error); ``False``/``None`` mean no resume.
+    ``True`` means the newest *complete* ``checkpoint-N`` in ``args.output_dir``: incomplete ones
+    (an interrupted save of an older deg_hf) are skipped with a warning naming them, and when there
+    is none the run starts from the beginning, with a warning. A path must be a complete checkpoint,
+    else ``ValueError`` says what it lacks. ``False``/``None`` mean no resume.
     """
+    from deg_hf.checkpoint.atomic import checkpoint_problem, newest_complete_checkpoint
+
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
+    optimizer = not getattr(trainer.args, "save_only_model", False)
     if resume_from_checkpoint is True:
-        from transformers.trainer_utils import get_last_checkpoint
-
         output_dir = trainer.args.output_dir
-        return get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
-    return os.fspath(resume_from_checkpoint)
+        found = newest_complete_checkpoint(output_dir, optimizer=optimizer)
+        if found is None:
+            logger.warning("resume_from_checkpoint=True: %s holds no complete checkpoint-N; training starts from "
+                           "the beginning", output_dir)
+        return found
+    path = os.fspath(resume_from_checkpoint)
+    problem = checkpoint_problem(path, optimizer=optimizer)
+    if problem is not None:
+        raise ValueError(
+            f"cannot resume from {path}: {problem}. Give a complete checkpoint-N directory, or "
+            "resume_from_checkpoint=True to take the newest complete one in output_dir."
+        )
+    return path
 
 
 def _counter_target(trainer) -> Any:
@@ -371,13 +387,18 @@ def _counter_target(trainer) -> Any:
     return getattr(trainer, "deg_counters", None)
 
 
-def _set_counters(trainer, memory: Mapping[str, Any]) -> dict | None:
+def _set_counters(trainer, memory: Mapping[str, Any], record_metrics: Mapping[str, Any] | None = None
+                  ) -> dict | None:
     from deg_hf.checkpoint import memory_totals, skipped_ids
 
     totals = memory_totals(memory)
     if not any(key in totals for key in COUNTER_KEYS):
         return None
     values = {key: int(totals.get(key, 0) or 0) for key in COUNTER_KEYS}
+    if "examples" not in totals:  # recorded before deg_hf counted them: the steps taken times the batch
+        args, step = trainer.args, int((record_metrics or {}).get("global_step", 0) or 0)
+        values["examples"] = max(values["oom_skip"], step * int(getattr(args, "per_device_train_batch_size", 1))
+                                 * int(getattr(args, "gradient_accumulation_steps", 1)))
     skipped = list(skipped_ids(memory))
     target = _counter_target(trainer)
     if target is None:
@@ -445,7 +466,7 @@ def restore_from_checkpoint(trainer, checkpoint_dir) -> dict | None:
                            "uncalibrated", directory, exc)
     elif planner is not None:
         logger.warning("%s records no planner state: the memory planner starts uncalibrated", directory)
-    _set_counters(trainer, memory)
+    _set_counters(trainer, memory, record.get("metrics"))
     return record
 
 
@@ -460,7 +481,9 @@ def _callback_class():
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     class DegCheckpointCallback(TrainerCallback):
-        """Writes ``deg.json`` and ``README.md`` into every ``checkpoint-N`` directory the trainer saves.
+        """Writes ``deg.json`` and ``README.md`` into every ``checkpoint-N`` directory the trainer saves
+        without them (deg_hf's trainers write both while the checkpoint is staged, before it is
+        renamed into place; this covers other trainers the callback is added to).
 
         Holds the trainer by weak reference, so the callback does not keep the trainer (and its
         streaming runtime) alive. A failure to write the record is logged, never raised: a long run
@@ -479,7 +502,8 @@ def _callback_class():
             if trainer is None or not state.is_world_process_zero:
                 return control
             directory = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            if not os.path.isdir(directory):
+            # deg_hf trainers write the record into the checkpoint before it is committed
+            if not os.path.isdir(directory) or os.path.isfile(os.path.join(directory, "deg.json")):
                 return control
             write_checkpoint_files(trainer, directory, strict=False)
             return control
