@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from deg_hf.memory.planner import MemCoef, breakdown, features
+    from deg_hf.memory.coef import MemCoef, breakdown, features
     from deg_hf.streaming.build import build_streamed_model, materialize_adapters
 
     lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear")

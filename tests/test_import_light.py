@@ -10,7 +10,7 @@ import sys
 
 HEAVY = ("torch", "transformers", "peft", "trl", "accelerate", "datasets")
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "deg_hf"
-LIGHT_MODULES = ["__init__.py", "config.py", "trainers/mixin.py", "memory/planner.py", "checkpoint.py",
+LIGHT_MODULES = ["__init__.py", "config.py", "trainers/mixin.py", "memory/planner.py", "memory/coef.py", "checkpoint.py",
                  "cli.py", "plan_cli.py", "assets/__init__.py", "memory/preflight.py"]
 
 

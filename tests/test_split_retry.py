@@ -272,7 +272,7 @@ def test_preflight_budgets_rows_per_example_per_trainer(checkpoint, tmp_path):
     from transformers import AutoConfig
 
     from deg_hf.config import StreamConfig
-    from deg_hf.memory.planner import GIB
+    from deg_hf.memory.coef import GIB
     from deg_hf.memory.preflight import make_planner
 
     path = checkpoint("llama")

@@ -7,7 +7,7 @@ import os
 
 from transformers import TrainerCallback
 
-from deg_hf.memory.planner import GIB
+from deg_hf.memory.coef import GIB
 
 LOG_FILE = "train.log.jsonl"
 

@@ -8,7 +8,8 @@ so a streamed run is never refused for what a resident run would need.
 
 from __future__ import annotations
 
-from deg_hf.memory.planner import GIB, MemCoef, MemPlanner, lora_param_count, static_breakdown
+from deg_hf.memory.coef import GIB, MemCoef, lora_param_count, static_breakdown
+from deg_hf.memory.planner import MemPlanner
 
 #: the largest target a planner uses when none applies (CPU without mem_target_gb): everything fits
 UNLIMITED = 1 << 60
