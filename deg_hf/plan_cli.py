@@ -26,7 +26,7 @@ __all__ = ["ROWS_PER_EXAMPLE", "FUSED_LM_HEAD_TASKS", "STREAM_BUFFERS", "read_co
 #: sequences one example puts through the model (chosen and rejected for the pair losses)
 ROWS_PER_EXAMPLE = {"sft": 1, "kto": 1, "dpo": 2, "orpo": 2, "simpo": 2}
 #: tasks whose TRL trainer scores completions with its fused (tiled) LM head
-FUSED_LM_HEAD_TASKS = ("dpo", "kto")
+FUSED_LM_HEAD_TASKS = ("sft", "dpo", "kto")
 #: decoder layers on the device at once under streaming (StreamConfig's default)
 STREAM_BUFFERS = 2
 WEIGHT_DTYPE_BYTES = 2  # bf16

@@ -462,21 +462,37 @@ def _calibrating(**kw) -> tuple[MemPlanner, Features, int, int]:
 
 def test_observe_raises_at_once_and_lowers_only_from_a_full_window():
     pl, f, ws, rest = _calibrating()
+    m = 1 + pl.margin
     raw = pl.estimate(f)
     assert pl.observe(f, ws + 1.5 * rest)  # under-estimate: raised at once, with the margin
-    assert pl.scale == pytest.approx(1.5 * 1.05)
+    assert pl.scale == pytest.approx(1.5 * m)
     assert pl.estimate(f) > raw
     assert pl.observe(f, ws + 0.5 * rest)  # one over-estimate lowers nothing
-    assert pl.scale == pytest.approx(1.5 * 1.05)
-    for _ in range(pl.observe_window - 2):
+    assert pl.scale == pytest.approx(1.5 * m)
+    for _ in range(pl.observe_window - 3):
         pl.observe(f, ws + 1.2 * rest)
-    assert pl.scale == pytest.approx(1.5 * 1.05)  # the 1.5 sample is still in the window
-    pl.observe(f, ws + 1.2 * rest)  # the window now holds 0.5 and 1.2s: lowered to the max
-    assert pl.scale == pytest.approx(1.2 * 1.05)
+    assert pl.scale == pytest.approx(1.5 * m)  # the window is not full yet
+    pl.observe(f, ws + 1.2 * rest)  # full, still holding the 1.5: no lower
+    assert pl.scale == pytest.approx(1.5 * m)
+    pl.observe(f, ws + 1.2 * rest)  # the 1.5 left the window: lowered to the max of 0.5 and 1.2s
+    assert pl.scale == pytest.approx(1.2 * m)
     assert pl.counters == {"observed": pl.observe_window + 1, "ignored": 0, "raised": 1, "lowered": 1}
     for _ in range(pl.observe_window):
-        pl.observe(f, ws + 0.3 * rest)
-    assert pl.scale == 1.0  # never below the floor
+        pl.observe(f, ws + 0.01 * rest)
+    assert pl.scale == pl.min_scale  # never below the floor
+
+
+def test_an_out_of_memory_lower_bound_only_raises_and_static_follows_measurement():
+    pl, f, ws, rest = _calibrating()
+    assert pl.observe(f, ws + 0.5 * rest, lower_bound=True)  # below the scale: changes nothing
+    assert pl.scale == 1.0 and not pl.window
+    pl.observe(f, ws + 1.4 * rest, lower_bound=True)  # the part had used this much when it failed
+    assert pl.scale == pytest.approx(1.4 * (1 + pl.margin)) and not pl.window
+    static = pl.static_bytes
+    pl.observe_static(static - 1)  # measured less than the estimate: the estimate stays
+    assert pl.static_bytes == static
+    pl.observe_static(static + GIB)  # measured more: the budget shrinks accordingly
+    assert pl.static_bytes == static + GIB and pl.budget() == pl.target_bytes - static - GIB
 
 
 def test_observe_can_tighten_down_to_a_configured_floor():
@@ -493,6 +509,7 @@ def test_observe_can_tighten_down_to_a_configured_floor():
 
 def test_observe_ignores_tiny_batches():
     pl, f, ws, rest = _calibrating()
+    assert pl.noise_floor_bytes > 0  # the default, kept on CUDA (the trainers set 0 on CPU)
     tiny = pl.features_of(1, 8)
     assert pl.estimate(tiny) < pl.noise_floor_bytes
     assert not pl.observe(tiny, 100 * GIB)
@@ -519,7 +536,7 @@ def test_state_dict_round_trip():
     for p in (pl, fresh):
         for _ in range(p.observe_window):
             p.observe(f, ws + 1.0 * rest)
-    assert fresh.scale == pl.scale == pytest.approx(1.05)
+    assert fresh.scale == pl.scale == pytest.approx(1 + pl.margin)
     with pytest.raises(ValueError):
         fresh.load_state_dict({**state, "extra": 1})
     with pytest.raises(ValueError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -20,6 +20,7 @@ from deg_hf.memory.coef import (
     TRL_LM_HEAD_TILE_VOCAB,
     Features,
     MemCoef,
+    activation_bytes,
     breakdown,
     estimate,
     features,
@@ -38,12 +39,16 @@ class Example:
 
     SFT/KTO examples have one row; preference pairs (DPO, ORPO, SimPO) have two, chosen and
     rejected, which the pairs path keeps together. ``prompt_len`` (tokens of each row that carry
-    no label) lets the fused LM head be charged for labelled positions only.
+    no label) lets the fused LM head be charged for labelled positions only. ``lm_lengths`` are
+    the rows the LM head scores when they are not the decoder's: a pair packed as one
+    ``prompt | chosen | rejected`` row is scored as its two rows ``prompt + chosen`` and
+    ``prompt + rejected``.
     """
 
     index: Any
     lengths: tuple[int, ...]
     prompt_len: int | None = None
+    lm_lengths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         raw = (self.lengths,) if isinstance(self.lengths, int) else tuple(self.lengths)
@@ -52,6 +57,14 @@ class Example:
         object.__setattr__(self, "lengths", tuple(non_negative_int("row length", n) for n in raw))
         if self.prompt_len is not None:
             object.__setattr__(self, "prompt_len", non_negative_int("prompt_len", self.prompt_len))
+        if self.lm_lengths is not None:
+            lm = tuple(non_negative_int("LM-head row length", n) for n in self.lm_lengths)
+            object.__setattr__(self, "lm_lengths", lm or None)
+
+    @property
+    def lm_rows(self) -> tuple[int, ...]:
+        """The rows the LM head scores: ``lm_lengths`` when set, else the decoder's rows."""
+        return self.lm_lengths if self.lm_lengths is not None else self.lengths
 
     @property
     def rows(self) -> int:
@@ -62,9 +75,11 @@ class Example:
         return max(self.lengths)
 
     def labelled(self, lo: int = 0, hi: int | None = None) -> int:
-        """Labelled positions of rows ``lo:hi`` (every position when ``prompt_len`` is unknown)."""
+        """Labelled positions of rows ``lo:hi`` (every position when ``prompt_len`` is unknown); of
+        the LM head's rows when they differ from the decoder's."""
         p = self.prompt_len or 0
-        return sum(max(0, n - p) for n in self.lengths[lo:hi])
+        rows = self.lengths[lo:hi] if self.lm_lengths is None else self.lm_lengths
+        return sum(max(0, n - p) for n in rows)
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,21 @@ class Part:
 Batch = Union[Part, Example, Features, Sequence[Example]]
 
 
+def _unit(ex: Example, lo: int = 0, hi: int | None = None) -> tuple[int, int, int, int, int]:
+    """(rows, width, labelled, LM-head rows, LM-head width) of rows ``lo:hi`` of ``ex``."""
+    rows = ex.lengths[lo:hi]
+    lm = rows if ex.lm_lengths is None else ex.lm_lengths
+    return len(rows), max(rows), ex.labelled(lo, hi), len(lm), max(lm)
+
+
+def _combine(units: Iterable[tuple[int, ...]]) -> tuple[int, int, int, int, int]:
+    """The units of several examples batched together: rows add up, widths pad to the longest."""
+    rows = width = lab = lm_rows = lm_width = 0
+    for r, w, lb, lr, lw in units:
+        rows, width, lab, lm_rows, lm_width = rows + r, max(width, w), lab + lb, lm_rows + lr, max(lm_width, lw)
+    return rows, width, lab, lm_rows, lm_width
+
+
 # ----------------------------------------------------------------------------- the planner
 
 
@@ -111,10 +141,13 @@ class MemPlanner:
 
     Calibration (:meth:`observe`): each measured activation peak gives a ratio
     ``(measured - workspace) / (raw estimate - workspace)``. A ratio above the current scale
-    raises the scale at once to ``ratio * (1 + margin)``; the scale is lowered only when the last
-    ``observe_window`` ratios are all known, to their maximum times ``(1 + margin)``, never below
-    ``min_scale``. Parts whose raw estimate is below ``noise_floor_bytes`` are ignored: their
-    peak is dominated by allocator and workspace noise.
+    raises the scale at once to ``ratio * (1 + margin)``; once ``observe_window`` ratios are
+    known the scale follows their maximum times ``(1 + margin)`` down as well, never below
+    ``min_scale``. A part that ran out of memory gives a lower bound on its peak, which can only
+    raise the scale. Parts whose raw estimate is below ``noise_floor_bytes`` are ignored (on CUDA
+    their peak is dominated by allocator and workspace noise; the CPU meter counts exactly, and
+    the trainers set no floor there). :meth:`observe_static` keeps ``static_bytes`` at least what
+    was measured in use before a part.
 
     ``min_rows`` is the smallest row chunk :meth:`split_rows` and :meth:`halve` may cut (2 keeps
     a chosen/rejected pair together).
@@ -131,14 +164,15 @@ class MemPlanner:
         checkpointing: bool = True,
         streaming: bool = True,
         fused_lm_head: bool = False,
+        lm_head_compact: bool = True,
         lm_head_tile: int = TRL_LM_HEAD_TILE_TOKENS,
         lm_head_tile_vocab: int = TRL_LM_HEAD_TILE_VOCAB,
         dtype_bytes: int = 4,
         attn_implementation: str = "sdpa",
-        observe_window: int = 8,
+        observe_window: int = 5,
         noise_floor_bytes: int = 256 * MIB,
-        margin: float = 0.05,
-        min_scale: float = 1.0,
+        margin: float = 0.02,
+        min_scale: float = 0.25,
         scale: float = 1.0,
     ) -> None:
         for name, value in (("target_bytes", target_bytes), ("static_bytes", static_bytes),
@@ -160,6 +194,7 @@ class MemPlanner:
         self.checkpointing = checkpointing
         self.streaming = streaming
         self.fused_lm_head = fused_lm_head
+        self.lm_head_compact = lm_head_compact
         self.lm_head_tile = lm_head_tile
         self.lm_head_tile_vocab = lm_head_tile_vocab
         self.dtype_bytes = dtype_bytes
@@ -178,46 +213,50 @@ class MemPlanner:
         """Bytes left for activations: ``max(0, target - static)`` (unscaled, real bytes)."""
         return max(0, self.target_bytes - self.static_bytes)
 
-    def features_of(self, rows: int, padded_len: int, completion_tokens: int | None = None) -> Features:
-        """Features of ``rows`` rows padded to ``padded_len`` under this planner's settings."""
+    def features_of(self, rows: int, padded_len: int, completion_tokens: int | None = None,
+                    lm_rows: int | None = None, lm_width: int | None = None) -> Features:
+        """Features of ``rows`` rows padded to ``padded_len`` under this planner's settings (the LM
+        head scoring ``lm_rows`` rows of ``lm_width``, by default the same)."""
         return features(
             self.dims,
             rows=rows,
             padded_len=padded_len,
+            lm_rows=lm_rows,
+            lm_width=lm_width,
             completion_tokens=completion_tokens,
             streaming=self.streaming,
             checkpointing=self.checkpointing,
             fused_lm_head=self.fused_lm_head,
+            lm_head_compact=self.lm_head_compact,
             lm_head_tile=self.lm_head_tile,
             lm_head_tile_vocab=self.lm_head_tile_vocab,
             dtype_bytes=self.dtype_bytes,
             attn_implementation=self.attn_implementation,
         )
 
-    def _features(self, x: Batch) -> Features:
+    def features_for(self, x: Batch) -> Features:
+        """The sizes the estimate of a part, an example, a list of examples or features is made of."""
         if isinstance(x, Features):
             return x
         if isinstance(x, Part):
             return x.features
         examples = [x] if isinstance(x, Example) else list(x)
-        rows = sum(ex.rows for ex in examples)
-        padded = max((ex.max_len for ex in examples), default=0)
-        return self.features_of(rows, padded, sum(ex.labelled() for ex in examples))
+        return self.features_of(*_combine(_unit(ex) for ex in examples))
 
     def estimate(self, x: Batch) -> int:
         """Scaled activation estimate of a part, an example, a list of examples or features."""
-        return estimate(self._features(x), self.coef, self.scale)
+        return estimate(self.features_for(x), self.coef, self.scale)
 
     def fits(self, x: Batch) -> bool:
         return self.estimate(x) <= self.budget()
 
     def _part(self, examples: Sequence[Example], row_range: tuple[int, int] | None = None) -> Part:
         if row_range is None:
-            f = self._features(examples)
+            f = self.features_for(examples)
         else:
             (ex,) = examples
             lo, hi = row_range
-            f = self.features_of(hi - lo, max(ex.lengths[lo:hi]), ex.labelled(lo, hi))
+            f = self.features_of(*_unit(ex, lo, hi))
             if (lo, hi) == (0, ex.rows):
                 row_range = None  # all rows: the whole example, as plan() would give it
         est = estimate(f, self.coef, self.scale)
@@ -225,8 +264,9 @@ class MemPlanner:
 
     # -- planning ------------------------------------------------------------------------
 
-    def _partition(self, units: Sequence[tuple[int, int, int]]) -> list[tuple[int, int]]:
-        """Cut ``units`` (rows, max length, labelled tokens) into contiguous fitting runs.
+    def _partition(self, units: Sequence[tuple[int, ...]]) -> list[tuple[int, int]]:
+        """Cut ``units`` (:func:`_unit`: rows, max length, labelled tokens, LM-head rows and width)
+        into contiguous fitting runs.
 
         Minimises the number of runs, then the padded tokens (rows * padded width summed over
         runs), by dynamic programming over cut points. A run fits when its estimate is within
@@ -242,11 +282,11 @@ class MemPlanner:
         for j in range(n):
             if best[j] == inf:
                 continue
-            rows = width = lab = 0
+            run = (0, 0, 0, 0, 0)
             for i in range(j, n):
-                r, w, lb = units[i]
-                rows, width, lab = rows + r, max(width, w), lab + lb
-                f = self.features_of(rows, width, lab)
+                run = _combine((run, units[i]))
+                rows, width = run[0], run[1]
+                f = self.features_of(*run)
                 if i > j and estimate(f, self.coef, self.scale) > budget:
                     break  # supersets of a run that does not fit do not fit either
                 cost = (best[j][0] + 1, best[j][1] + rows * width)
@@ -268,7 +308,7 @@ class MemPlanner:
         saves the most padding among the plans with the fewest parts.
         """
         examples = list(batch)
-        units = [(ex.rows, ex.max_len, ex.labelled()) for ex in examples]
+        units = [_unit(ex) for ex in examples]
         return [self._part(examples[a:b]) for a, b in self._partition(units)]
 
     def _row_units(self, lo: int, hi: int, min_rows: int) -> list[tuple[int, int]]:
@@ -298,7 +338,7 @@ class MemPlanner:
         if m < 1:
             raise ValueError(f"min_rows must be >= 1, got {m}")
         bounds = self._row_units(lo, hi, m)
-        units = [(b - a, max(ex.lengths[a:b]), ex.labelled(a, b)) for a, b in bounds]
+        units = [_unit(ex, a, b) for a, b in bounds]
         return [self._part([ex], (bounds[a][0], bounds[b - 1][1])) for a, b in self._partition(units)]
 
     def halve(self, part: Part | Sequence[Example]) -> tuple[Part, Part] | None:
@@ -347,22 +387,34 @@ class MemPlanner:
 
     # -- calibration ---------------------------------------------------------------------
 
-    def observe(self, x: Batch, measured_peak_bytes: float) -> bool:
+    def observe_static(self, in_use_bytes: float) -> None:
+        """Device memory measured in use before a part: the budget never assumes less is held."""
+        if math.isfinite(in_use_bytes) and in_use_bytes > self.static_bytes:
+            self.static_bytes = int(in_use_bytes)
+
+    def observe(self, x: Batch, measured_peak_bytes: float, lower_bound: bool = False) -> bool:
         """Calibrate ``scale`` from the measured activation peak of a part; True if used.
 
-        ``measured_peak_bytes`` is the step's peak allocated device memory minus what was
-        allocated before it (activations only, like the estimate).
+        ``measured_peak_bytes`` is the part's peak allocated device memory minus what was
+        allocated before it (activations only, like the estimate). With ``lower_bound`` (a part
+        that ran out of memory before its peak) it can only raise the scale.
         """
         if not math.isfinite(measured_peak_bytes) or measured_peak_bytes < 0:
             raise ValueError(f"measured_peak_bytes must be finite and >= 0, got {measured_peak_bytes!r}")
-        parts = breakdown(self._features(x), self.coef)
-        workspace = parts.pop("workspace")
-        rest = sum(parts.values())
+        f = self.features_for(x)
+        parts = breakdown(f, self.coef)
+        workspace = parts["workspace"]
+        rest = activation_bytes(parts, f.checkpointing)
         if workspace + rest < self.noise_floor_bytes or rest <= 0:
             self.counters["ignored"] += 1
             return False
         ratio = max(0.0, measured_peak_bytes - workspace) / rest
         self.counters["observed"] += 1
+        if lower_bound:
+            if ratio > self.scale:
+                self.scale = max(self.min_scale, ratio * (1 + self.margin))
+                self.counters["raised"] += 1
+            return True
         self.window.append(ratio)
         if ratio > self.scale:  # under-estimated: never wait, the next part could run out of memory
             self.scale = max(self.min_scale, ratio * (1 + self.margin))
