@@ -8,7 +8,7 @@ one file is downloaded), never its weights, and needs no GPU. Every number comes
   fp32 LoRA parameters, their fp32 gradients and AdamW's two fp32 moments;
 * activations: :meth:`~deg_hf.memory.planner.MemPlanner.estimate` of one micro-batch of
   ``batch x rows_per_example`` rows of ``max_length`` tokens (gradient checkpointing on, as in
-  TRL's configs and always under streaming; sdpa attention; TRL's fused LM head for DPO and KTO);
+  TRL's configs and always under streaming; sdpa attention; TRL's fused LM head for SFT, DPO and KTO);
 * the largest batch: :meth:`~deg_hf.memory.planner.MemPlanner.largest_batch` under the same target.
 
 This module imports no torch, transformers, PEFT or TRL.

@@ -245,7 +245,7 @@ def bench_planner(quick: bool) -> dict:
     rows = _skewed_rows(n, long_every=8, short_words=8, long_words=200)
     data = Dataset.from_list(rows)
     common = dict(max_length=256, num_train_epochs=1, max_steps=-1, learning_rate=1e-4, stream_layers=False,
-                  logging_steps=batch, disable_tqdm=True)
+                  logging_steps=1, disable_tqdm=True)
 
     def deg_trainer(target_gb, **kw):
         args = deg_hf.StreamedSFTConfig(**trainer_kwargs(tempfile.mkdtemp(), mem_target_gb=target_gb, **{**common, **kw}))

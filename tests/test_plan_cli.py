@@ -36,7 +36,7 @@ def _expected(task="dpo", batch=4, max_length=2048, vram=8.0, lora_r=16):
         static = static_breakdown(config, streaming=streaming, stream_buffers=2, lora_params=lora, optimizer="adamw",
                                   dtype_bytes=2, trainable_dtype_bytes=4)
         planner = MemPlanner(target, sum(static.values()), model_config=config, min_rows=rows, checkpointing=True,
-                             streaming=streaming, fused_lm_head=task in ("dpo", "kto"), dtype_bytes=2,
+                             streaming=streaming, fused_lm_head=task in ("sft", "dpo", "kto"), dtype_bytes=2,
                              attn_implementation="sdpa")
         features = planner.features_of(batch * rows, max_length, batch * rows * max_length)
         activations = planner.estimate(features)

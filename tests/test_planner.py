@@ -23,12 +23,15 @@ from hypothesis import strategies as st
 
 from deg_hf.memory.coef import (
     GIB,
+    LAYER_TERMS,
+    LM_HEAD_TERMS,
     MIB,
     SIZE_FIELDS,
     TRL_LM_HEAD_TILE_TOKENS,
     TRL_LM_HEAD_TILE_VOCAB,
     Features,
     MemCoef,
+    activation_bytes,
     breakdown,
     estimate,
     features,
@@ -170,15 +173,27 @@ def _feat(**kw) -> Features:
     return features(SMALL, **{"rows": 4, "padded_len": 512, "dtype_bytes": 2, **kw})
 
 
-def test_estimate_is_the_sum_of_its_breakdown():
+def test_estimate_is_made_of_its_breakdown():
+    """Without checkpointing every term adds; with it, the LM head's terms and a layer's working set
+    are alternatives (the larger counts), the rest adds."""
     for kw in ({}, {"fused_lm_head": True, "completion_tokens": 900}, {"checkpointing": False},
                {"attn_implementation": "eager"}, {"rows": 1}):
         f = _feat(**kw)
         parts = breakdown(f, MemCoef())
-        assert estimate(f, MemCoef()) == sum(parts.values())
         assert all(v >= 0 for v in parts.values())
-        rest = sum(parts.values()) - parts["workspace"]
+        head = sum(parts[k] for k in LM_HEAD_TERMS)
+        layer = sum(parts[k] for k in LAYER_TERMS)
+        always = sum(parts.values()) - head - layer - parts["workspace"]
+        rest = always + (max(head, layer) if f.checkpointing else head + layer)
+        assert activation_bytes(parts, f.checkpointing) == rest
+        assert estimate(f, MemCoef()) == parts["workspace"] + rest
         assert estimate(f, MemCoef(), scale=1.5) == parts["workspace"] + math.ceil(1.5 * rest)
+        if not f.checkpointing:
+            assert estimate(f, MemCoef()) == sum(parts.values())
+    f = _feat()
+    parts = breakdown(f, MemCoef())
+    assert 0 < sum(parts[k] for k in LAYER_TERMS) and 0 < sum(parts[k] for k in LM_HEAD_TERMS)
+    assert estimate(f) < sum(parts.values())  # the alternatives are not summed (control of the max)
     assert estimate(_feat()) == estimate(_feat(), MemCoef())  # default coefficients
 
 
@@ -257,7 +272,13 @@ def test_fused_lm_head_is_cheaper_than_full_logits_for_a_big_vocabulary():
     # the fused head scores labelled positions only
     labelled = features(QWEN7B, rows=2, padded_len=4096, dtype_bytes=2, fused_lm_head=True,
                         completion_tokens=500)
-    assert labelled.lm_tokens == 500 and estimate(labelled) < estimate(fused)
+    assert labelled.lm_tokens == 500 and estimate(labelled) <= estimate(fused)
+    head = [sum(breakdown(f)[k] for k in LM_HEAD_TERMS) for f in (labelled, fused)]
+    assert head[0] < head[1]
+    # ... where Triton runs; elsewhere (CPU) every position but each row's last, with fp32 temporaries
+    everywhere = features(QWEN7B, rows=2, padded_len=4096, dtype_bytes=2, fused_lm_head=True,
+                          completion_tokens=500, lm_head_compact=False)
+    assert everywhere.lm_tokens == 2 * 4095 and breakdown(everywhere)["lm_fold"] > 0 == breakdown(fused)["lm_fold"]
     assert features(QWEN7B, rows=2, padded_len=4096, completion_tokens=500).lm_tokens == 2 * 4096
 
 
@@ -454,8 +475,8 @@ def _calibrating(**kw) -> tuple[MemPlanner, Features, int, int]:
     pl = MemPlanner(80 * GIB, 20 * GIB, model_config=LLAMA7B, dtype_bytes=2, **kw)
     f = pl.features_of(4, 2048)
     parts = breakdown(f, pl.coef)
-    workspace = parts.pop("workspace")
-    rest = sum(parts.values())
+    workspace = parts["workspace"]
+    rest = activation_bytes(parts, f.checkpointing)
     assert workspace + rest > pl.noise_floor_bytes
     return pl, f, workspace, rest
 

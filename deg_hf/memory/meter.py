@@ -122,9 +122,12 @@ class TensorMeter(TorchDispatchMode):
             self.peak = self.allocated
         if self.limit is not None and self.allocated - self.base > self.limit:
             self.raised += 1
+            # worded like the allocators' own errors, so code that recognises those (accelerate's
+            # find_executable_batch_size) recognises this one
             raise torch.OutOfMemoryError(
-                f"out of memory (deg_hf's CPU memory target): allocating {nbytes} bytes would take this part "
-                f"to {self.allocated - self.base} bytes, past the {self.limit} bytes the target leaves it"
+                f"CPU out of memory. Allocating {nbytes} bytes would take this part to "
+                f"{self.allocated - self.base} bytes, past the {self.limit} bytes deg_hf's memory target "
+                "(mem_target_gb) leaves it"
             )
 
     def _freed(self, ref: weakref.ref) -> None:
@@ -224,8 +227,8 @@ class DeviceMemory:
             meter.raised += 1
             reading.out_of_memory = True
             raise torch.OutOfMemoryError(
-                f"out of memory (deg_hf's CPU memory target): {reading.start_bytes} bytes are in use before the "
-                f"part starts, past the target of {self.target_bytes} bytes"
+                f"CPU out of memory. {reading.start_bytes} bytes are in use before the part starts, past "
+                f"deg_hf's memory target (mem_target_gb) of {self.target_bytes} bytes"
             )
         try:
             with meter:
