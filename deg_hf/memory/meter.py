@@ -18,7 +18,9 @@ tiles and anything else an operation returns. What it cannot see is scratch memo
 allocates and frees inside one call (CUDA's counters would see it): the peak is a lower bound by
 that much.
 
-Cost: one Python call per ATen operation while a part runs (see ``scripts/bench.py meter``), which
+Cost: one Python call per ATen operation while a part runs. ``scripts/bench.py meter`` measured a
+streamed SFT step 25% slower metered on a 4-layer, 256-wide model (4 x 256 tokens) and 2.2 times
+slower on a 2-layer, 64-wide toy: the cost is per operation, so it shrinks as tensors grow. That
 is why the meter is active only when a target is set on CPU or a calibration measures; CUDA runs
 read the allocator's counters and never use it.
 """
