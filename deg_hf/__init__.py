@@ -38,7 +38,7 @@ _LAZY = {
     "StreamRuntime": "deg_hf.streaming.runtime",
     "build_streamed_model": "deg_hf.streaming.build",
     # memory planning
-    "MemCoef": "deg_hf.memory.planner",
+    "MemCoef": "deg_hf.memory.coef",
     "MemPlanner": "deg_hf.memory.planner",
     # checkpoints and the Hub
     "load": "deg_hf.checkpoint",

@@ -2,13 +2,13 @@
 
 Reads the model's ``config.json`` (a local directory, a path to the file, or a Hub id: only that
 one file is downloaded), never its weights, and needs no GPU. Every number comes from
-:mod:`deg_hf.memory.planner` (the formulas are in its module docstring):
+:mod:`deg_hf.memory.coef` (the formulas are in its module docstring) and :mod:`deg_hf.memory.planner`:
 
-* weights and adapter state: :func:`~deg_hf.memory.planner.static_breakdown` with bf16 weights,
+* weights and adapter state: :func:`~deg_hf.memory.coef.static_breakdown` with bf16 weights,
   fp32 LoRA parameters, their fp32 gradients and AdamW's two fp32 moments;
 * activations: :meth:`~deg_hf.memory.planner.MemPlanner.estimate` of one micro-batch of
   ``batch x rows_per_example`` rows of ``max_length`` tokens (gradient checkpointing on, as in
-  TRL's configs and always under streaming; sdpa attention; TRL's fused LM head for DPO and KTO);
+  TRL's configs and always under streaming; sdpa attention; TRL's fused LM head for SFT, DPO and KTO);
 * the largest batch: :meth:`~deg_hf.memory.planner.MemPlanner.largest_batch` under the same target.
 
 This module imports no torch, transformers, PEFT or TRL.
@@ -26,14 +26,14 @@ __all__ = ["ROWS_PER_EXAMPLE", "FUSED_LM_HEAD_TASKS", "STREAM_BUFFERS", "read_co
 #: sequences one example puts through the model (chosen and rejected for the pair losses)
 ROWS_PER_EXAMPLE = {"sft": 1, "kto": 1, "dpo": 2, "orpo": 2, "simpo": 2}
 #: tasks whose TRL trainer scores completions with its fused (tiled) LM head
-FUSED_LM_HEAD_TASKS = ("dpo", "kto")
+FUSED_LM_HEAD_TASKS = ("sft", "dpo", "kto")
 #: decoder layers on the device at once under streaming (StreamConfig's default)
 STREAM_BUFFERS = 2
 WEIGHT_DTYPE_BYTES = 2  # bf16
 TRAINABLE_DTYPE_BYTES = 4  # PEFT keeps LoRA parameters in fp32
 OPTIMIZER = "adamw"
 ATTENTION = "sdpa"
-FORMULA_SOURCE = "deg_hf.memory.planner (module docstring: static_breakdown for weights, estimate for activations)"
+FORMULA_SOURCE = "deg_hf.memory.coef (module docstring: static_breakdown for weights, estimate for activations)"
 
 _GIB = 1 << 30
 
@@ -116,13 +116,8 @@ def plan(config: dict, *, task: str, batch: int, max_length: int, vram: float, l
     ``fits`` (``total <= target``), ``largest_batch`` and ``parts`` (micro-batches a step of
     ``batch`` examples needs, None when not even one example fits).
     """
-    from deg_hf.memory.planner import (
-        MemPlanner,
-        layer_param_count,
-        lora_param_count,
-        model_dims,
-        static_breakdown,
-    )
+    from deg_hf.memory.coef import layer_param_count, lora_param_count, model_dims, static_breakdown
+    from deg_hf.memory.planner import MemPlanner
 
     _check_inputs(task, batch, max_length, vram, lora_r)
     dims = model_dims(config)

@@ -9,9 +9,14 @@ are noisy; absolute seconds are printed for context only.
                   GB/s.
 * ``reference`` - layer fetches per step and step-time ratios of DPO and KTO vs SFT (streamed and
                   resident): the reference forward's cost.
-* ``planner``   - a length-skewed dataset under a simulated device-memory budget: crashes,
-                  tokens/s of the planned run vs a fixed micro-batch small enough for the longest
-                  batch, and what ``auto_find_batch_size`` does (restarts, effective-batch changes).
+* ``planner``   - a length-skewed dataset under a memory target enforced on CPU (``mem_target_gb``):
+                  parts, retries, skips, crashes and tokens/s of the planned run vs a fixed
+                  micro-batch sized for the worst case and vs ``auto_find_batch_size`` (5
+                  interleaved repeats: median and spread).
+* ``estimate``  - the planner's estimate vs the measured peak of every part over the harness
+                  architectures x trainers x streamed/resident x prefix sharing x batch shapes,
+                  and a run calibrated by ``observe()``.
+* ``meter``     - the tensor meter's cost: a training step with and without it.
 * ``prefix``    - DPO step time with prefix sharing vs without on prompt-heavy pairs (prompt about
                   4x each completion), streamed and resident; tokens per pair and the planner's
                   estimated activation bytes for both.
@@ -205,7 +210,28 @@ def _skewed_rows(n: int, long_every: int, short_words: int, long_words: int):
     return rows
 
 
+def _resident_of(trainer):
+    """What a plain (resident) trainer keeps on the device: parameters, buffers, gradients, optimizer state."""
+    import torch
+
+    def tensors():
+        for p in trainer.model.parameters():
+            yield p
+            yield p.grad
+        yield from trainer.model.buffers()
+        for state in getattr(getattr(trainer, "optimizer", None), "state", {}).values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+    return tensors
+
+
 def bench_planner(quick: bool) -> dict:
+    """A length-skewed SFT run (one long example in eight) under a memory target enforced on CPU by the
+    tensor meter, given in the planner's own units (``mem_target_gb``): a micro-batch of short examples
+    fits, one holding a long example does not, one long example alone does. Three arms, interleaved,
+    5 repeats (2 with --quick): deg_hf planning the batch of 8 into parts; a fixed micro-batch sized for
+    the worst case (as many long examples as fit) with gradient accumulation to the same batch; TRL with
+    ``auto_find_batch_size`` under the same target. All resident, gradient checkpointing on (TRL's default)."""
     import torch
     from datasets import Dataset
     from harness import trainer_kwargs
@@ -213,98 +239,129 @@ def bench_planner(quick: bool) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     import deg_hf
-    from deg_hf.memory.simulate import SimulatedDeviceMemory
+    from deg_hf.memory.coef import GIB
+    from deg_hf.memory.meter import DeviceMemory
+    from deg_hf.memory.planner import Example
 
     path = _checkpoint(tempfile.mkdtemp(), layers=4, hidden=128, vocab=512)
     tok = AutoTokenizer.from_pretrained(path)
-    n, batch = (16, 8) if quick else (48, 8)
+    n, batch, repeats = (16, 8, 2) if quick else (48, 8, 5)
     rows = _skewed_rows(n, long_every=8, short_words=8, long_words=200)
     data = Dataset.from_list(rows)
-    max_length = 256
-    # budget: a batch of 8 short examples fits, a batch holding a long one does not; one long alone fits
-    probe = SimulatedDeviceMemory(1 << 62)
-    probe_trainer = deg_hf.StreamedSFTTrainer(
-        model=path, args=deg_hf.StreamedSFTConfig(**trainer_kwargs(tempfile.mkdtemp(), max_length=max_length,
-                                                                   per_device_train_batch_size=1, max_steps=1)),
-        train_dataset=Dataset.from_list([rows[7]]), processing_class=tok, peft_config=_lora())
-    probe_trainer.deg_memory_simulator = probe
-    probe_trainer.train()
-    budget = int(probe.peaks[-1] * 1.3)  # one long example fits, with room to spare
+    common = dict(max_length=256, num_train_epochs=1, max_steps=-1, learning_rate=1e-4, stream_layers=False,
+                  logging_steps=1, disable_tqdm=True)
 
-    def tokens_per_s(trainer) -> tuple[float, float]:
+    def deg_trainer(target_gb, **kw):
+        args = deg_hf.StreamedSFTConfig(**trainer_kwargs(tempfile.mkdtemp(), mem_target_gb=target_gb, **{**common, **kw}))
+        return deg_hf.StreamedSFTTrainer(model=path, args=args, train_dataset=data, processing_class=tok,
+                                         peft_config=_lora())
+
+    # the target, from the planner's own estimate of this data: a batch of 8 short examples fits, one
+    # long example alone fits with room, a batch holding the long example does not
+    probe = deg_trainer(None, per_device_train_batch_size=batch)
+    planner = probe.deg_planner
+    lengths = [length for b in probe.get_train_dataloader() for length in b["deg_lengths"]]
+    long_len, short_len = max(lengths)[0], min(lengths)[0]
+    est = planner.estimate
+    worst = est([Example(0, (long_len,))] + [Example(i, (short_len,)) for i in range(1, batch)])
+    budget = max(int(1.6 * est(Example(0, (long_len,)))), int(1.2 * est([Example(i, (short_len,)) for i in range(batch)])))
+    if not budget < worst:
+        raise RuntimeError(f"no target splits the long batch: budget {budget} >= worst batch {worst}")
+    static = planner.static_bytes
+    target = static + budget
+    target_gb = target / GIB
+    fixed_mb = max(1, max((m for m in range(1, batch + 1) if batch % m == 0
+                           and est([Example(i, (long_len,)) for i in range(m)]) <= budget), default=1))
+    tokens = sum(len(ids) for ids in probe.train_dataset["input_ids"])
+    probe.release_stream()
+
+    def run_planned():
+        tr = deg_trainer(target_gb, per_device_train_batch_size=batch)
         t0 = time.perf_counter()
-        trainer.train()
-        elapsed = time.perf_counter() - t0
-        tokens = sum(int(sum(1 for _ in tok(r["messages"][1]["content"])["input_ids"])) for r in rows)
-        return tokens / elapsed, elapsed
+        tr.train()
+        return time.perf_counter() - t0, dict(tr.deg_counters), _retries_after_first_log(tr)
 
-    common = dict(max_length=max_length, num_train_epochs=1, max_steps=-1, learning_rate=1e-4)
-    # deg_hf: the batch the user asked for; long micro-batches are split, nothing restarts
-    planned = deg_hf.StreamedSFTTrainer(
-        model=path, args=deg_hf.StreamedSFTConfig(**trainer_kwargs(tempfile.mkdtemp(), per_device_train_batch_size=batch,
-                                                                   **common)),
-        train_dataset=data, processing_class=tok, peft_config=_lora())
-    planned.simulate_device_memory(budget)
-    crashes = 0
-    try:
-        planned_tps, planned_s = tokens_per_s(planned)
-    except torch.OutOfMemoryError:
-        crashes, planned_tps, planned_s = 1, 0.0, float("nan")
+    def run_fixed():
+        tr = deg_trainer(target_gb, per_device_train_batch_size=fixed_mb, gradient_accumulation_steps=batch // fixed_mb,
+                         mem_plan=False, oom_retry=False)
+        t0 = time.perf_counter()
+        tr.train()
+        return time.perf_counter() - t0, dict(tr.deg_counters), None
 
-    # fixed: the largest micro-batch that survives the longest batch (a long example plus short
-    # ones), with gradient accumulation to keep the effective batch
-    fixed_mb = 1
-    fixed = deg_hf.StreamedSFTTrainer(
-        model=path, args=deg_hf.StreamedSFTConfig(**trainer_kwargs(
-            tempfile.mkdtemp(), per_device_train_batch_size=fixed_mb, gradient_accumulation_steps=batch // fixed_mb,
-            oom_retry=False, mem_plan=False, **common)),
-        train_dataset=data, processing_class=tok, peft_config=_lora())
-    fixed.simulate_device_memory(budget)
-    fixed_tps, fixed_s = tokens_per_s(fixed)
-
-    # auto_find_batch_size: plain TRL, the same simulated device; it restarts with a smaller batch
-    class SimulatedSFT(SFTTrainer):
-        def training_step(self, *args, **kwargs):
-            with sim.part():
-                return super().training_step(*args, **kwargs)
-
-    sim = SimulatedDeviceMemory(budget)
-    sizes = []
+    sizes: list[int] = []
 
     class Sizes(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
             sizes.append(state.train_batch_size)
 
-    auto = SimulatedSFT(model=path, args=SFTConfig(**trainer_kwargs(tempfile.mkdtemp(), per_device_train_batch_size=batch,
-                                                                    auto_find_batch_size=True, **common)),
-                        train_dataset=data, processing_class=tok, peft_config=_lora(), callbacks=[Sizes()])
-    auto_crash = 0
-    try:
-        auto.train()
-    except torch.OutOfMemoryError:
-        auto_crash = 1
-    distinct = [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]]
+    def run_auto():
+        class MeteredSFT(SFTTrainer):  # plain TRL; the same CPU device memory, the same target
+            def training_step(self, *a, **kw):
+                with memory.part():
+                    return super().training_step(*a, **kw)
+
+        tr = MeteredSFT(model=path, args=SFTConfig(**trainer_kwargs(
+            tempfile.mkdtemp(), per_device_train_batch_size=batch, auto_find_batch_size=True,
+            **{k: v for k, v in common.items() if k != "stream_layers"})),
+            train_dataset=data, processing_class=tok, peft_config=_lora(), callbacks=[Sizes()])
+        memory = DeviceMemory("cpu", target, resident=_resident_of(tr))
+        sizes.clear()
+        t0 = time.perf_counter()
+        tr.train()
+        return time.perf_counter() - t0, {"restarts": max(0, len(sizes) - 1), "batch_sizes": list(sizes)}, None
+
+    arms = {"planned": run_planned, "fixed": run_fixed, "auto_find_batch_size": run_auto}
+    seconds = {k: [] for k in arms}
+    info, crashes = {}, {k: 0 for k in arms}
+    for _ in range(repeats):
+        for name, fn in arms.items():  # interleaved: drift hits every arm alike
+            try:
+                elapsed, counters, after = fn()
+            except torch.OutOfMemoryError:
+                crashes[name] += 1
+                continue
+            seconds[name].append(elapsed)
+            info[name] = {"counters": counters, "retries_after_first_log": after}
+
+    def spread(xs):
+        tps = sorted(tokens / x for x in xs)
+        return {"median": round(statistics.median(tps), 1), "min": round(tps[0], 1), "max": round(tps[-1], 1)} if tps else None
+
+    tps = {k: spread(v) for k, v in seconds.items()}
+    planned = info.get("planned", {}).get("counters", {})
+    ratios = [f / p for p, f in zip(seconds["planned"], seconds["fixed"])]
     return {
         "bench": "planner",
         "examples": n,
         "per_device_batch": batch,
-        "simulated_budget_bytes": budget,
+        "repeats": repeats,
+        "target_gib": round(target_gb, 6),
+        "static_bytes": static,
+        "activation_budget_bytes": budget,
+        "worst_batch_estimate_bytes": worst,
+        "tokens": tokens,
         "crashes": crashes,
-        "deg_parts": planned.deg_counters["parts"],
-        "deg_oom_retry": planned.deg_counters["oom_retry"],
-        "deg_oom_skip": planned.deg_counters["oom_skip"],
-        "deg_restarts": 0,
-        "deg_effective_batch_changes": 0,
-        "planned_tokens_per_s": round(planned_tps, 1),
+        "deg_parts": planned.get("parts"),
+        "deg_oom_retry": planned.get("oom_retry"),
+        "deg_oom_skip": planned.get("oom_skip"),
+        "deg_retry_fraction": round(planned["oom_retry"] / planned["parts"], 4) if planned.get("parts") else None,
+        "deg_retries_after_first_log": info.get("planned", {}).get("retries_after_first_log"),
         "fixed_micro_batch": fixed_mb,
-        "fixed_tokens_per_s": round(fixed_tps, 1),
-        "speedup_vs_fixed": round(planned_tps / fixed_tps, 3) if fixed_tps else None,
-        "auto_find_batch_size_restarts": max(0, len(sizes) - 1),
-        "auto_find_batch_size_batches": sizes,
-        "auto_find_batch_size_effective_batch_changes": max(0, len(distinct) - 1),
-        "auto_find_batch_size_crashed": auto_crash,
-        "seconds": {"planned": round(planned_s, 2), "fixed": round(fixed_s, 2)},
+        "tokens_per_s": tps,
+        "speedup_vs_fixed": {"median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3),
+                             "max": round(max(ratios), 3)} if ratios else None,
+        "auto_find_batch_size": info.get("auto_find_batch_size", {}).get("counters"),
+        "torch_threads": torch.get_num_threads(),
     }
+
+
+def _retries_after_first_log(trainer) -> dict:
+    """Parts and out-of-memory retries logged after the first logging window (train.log.jsonl)."""
+    path = os.path.join(trainer.args.output_dir, "train.log.jsonl")
+    steps = [json.loads(x) for x in open(path, encoding="utf-8")]
+    steps = [r for r in steps if "oom_retry" in r and "event" not in r]
+    later = steps[1:]
+    return {"windows": len(steps), "parts": sum(r["parts"] for r in later), "oom_retry": sum(r["oom_retry"] for r in later)}
 
 
 # --------------------------------------------------------------------------------------- prefix
@@ -545,8 +602,134 @@ def bench_disk(quick: bool) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------- estimate
+
+
+def calibration_run(path, parts: int = 25, task: str = "sft"):
+    """One run of ``parts`` micro-batches (mixed lengths) whose measured peaks calibrate the planner as
+    it goes; its samples carry the estimate the planner made before each part (``planned_bytes``)."""
+    import random as _random
+
+    from datasets import Dataset
+    from harness import WORDS, trainer_kwargs
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+
+    import deg_hf
+    from deg_hf.memory.calibrate import record
+
+    rng = _random.Random(1)
+    rows = []
+    for _ in range(parts * 2):
+        n = rng.choice((6, 12, 24, 48, 80))
+        text = " ".join(rng.choice(WORDS) for _ in range(n))
+        rows.append({"messages": [{"role": "user", "content": "tell me"}, {"role": "assistant", "content": text}]})
+    trainer = deg_hf.StreamedSFTTrainer(
+        model=path, args=deg_hf.StreamedSFTConfig(**trainer_kwargs(
+            tempfile.mkdtemp(), max_length=256, max_steps=parts, per_device_train_batch_size=2, logging_steps=1000)),
+        train_dataset=Dataset.from_list(rows), processing_class=AutoTokenizer.from_pretrained(path),
+        peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
+    samples = record(trainer, {"task": task})
+    trainer.train()
+    trainer.release_stream()
+    return samples
+
+
+def bench_estimate(quick: bool) -> dict:
+    """The planner's estimate (shipped coefficients, uncalibrated) against the measured peak of every
+    part, over the harness architectures x SFT/DPO/KTO/ORPO/SimPO x streamed/resident x prefix sharing
+    on/off x short/long/length-skewed micro-batches; then a run calibrated by observe()."""
+    import statistics
+
+    from memory_runs import PAIRED, TASKS, checkpoint, measure, quiet
+
+    from deg_hf.memory.calibrate import accuracy
+    from deg_hf.memory.coef import MemCoef, estimate
+
+    quiet()
+    coef = MemCoef()
+    archs = ("llama", "gemma2") if quick else ("llama", "qwen2", "qwen3", "mistral", "gemma2")
+    rows, errs = [], []
+    by = {}
+    print(f"{'arch':8} {'task':6} {'layout':9} {'prefix':6} {'shape':7} {'estimate':>11} {'measured':>11} {'error':>7}",
+          file=sys.stderr)
+    for arch in archs:
+        path = checkpoint(arch)
+        for task in TASKS:
+            for stream in (True, False):
+                for prefix in ((True, False) if task in PAIRED else (None,)):
+                    for s in measure(path, task, stream=stream, prefix=bool(prefix), tags={"arch": arch}):
+                        est = estimate(s.features, coef)
+                        err = est / s.peak_bytes - 1
+                        errs.append(err)
+                        for key in (f"task:{task}", f"arch:{arch}", f"shape:{s.tags['shape']}",
+                                    f"layout:{'streamed' if stream else 'resident'}",
+                                    f"prefix:{prefix}" if prefix is not None else None):
+                            if key:
+                                by.setdefault(key, []).append(err)
+                        rows.append((arch, task, "streamed" if stream else "resident", str(prefix), s.tags["shape"],
+                                     est, s.peak_bytes, err))
+                        print(f"{arch:8} {task:6} {rows[-1][2]:9} {str(prefix):6} {s.tags['shape']:7} {est:>11} "
+                              f"{s.peak_bytes:>11} {err:>+7.1%}", file=sys.stderr)
+    calibrated = calibration_run(checkpoint("llama"), parts=12 if quick else 25)
+    after = [s.planned_bytes / s.peak_bytes - 1 for s in calibrated[5:]]
+    out = {"bench": "estimate", "parts": len(errs), **accuracy(errs),
+           "by": {k: accuracy(v) for k, v in sorted(by.items())},
+           "calibrated_run": {"parts": len(calibrated), "after_5_parts": accuracy(after),
+                              "first_5_parts": accuracy([s.planned_bytes / s.peak_bytes - 1 for s in calibrated[:5]])},
+           "mean_abs_error": round(statistics.fmean(abs(e) for e in errs), 4) if errs else None}
+    return out
+
+
+# ---------------------------------------------------------------------------------------- meter
+
+
+def bench_meter(quick: bool) -> dict:
+    """A streamed SFT training step with the tensor meter measuring (what a CPU target costs) and
+    without it, interleaved; two model sizes, since the meter costs per operation, not per byte."""
+    from datasets import Dataset
+    from harness import sft_rows, trainer_kwargs
+    from transformers import AutoTokenizer
+
+    import deg_hf
+    from deg_hf.memory.meter import DeviceMemory
+
+    out = {"bench": "meter", "sizes": {}}
+    for layers, hidden, max_length in ((2, 64, 64), (4, 256, 256)) if not quick else ((2, 64, 64),):
+        path = _checkpoint(tempfile.mkdtemp(), layers=layers, hidden=hidden, vocab=512)
+        tok = AutoTokenizer.from_pretrained(path)
+        rows = [{"messages": [m[0], {"role": "assistant", "content": " ".join([m[1]["content"]] * (max_length // 8))}]}
+                for m in (r["messages"] for r in sft_rows(8))]
+        tr = deg_hf.StreamedSFTTrainer(
+            model=path, args=deg_hf.StreamedSFTConfig(**trainer_kwargs(tempfile.mkdtemp(), max_length=max_length,
+                                                                       per_device_train_batch_size=4)),
+            train_dataset=Dataset.from_list(rows), processing_class=tok, peft_config=_lora())
+        tr.create_optimizer_and_scheduler(num_training_steps=10)
+        tr.current_gradient_accumulation_steps = 1
+        batch = next(iter(tr.get_train_dataloader()))
+        off = DeviceMemory("cpu", resident=tr._deg_resident_tensors)
+        on = DeviceMemory("cpu", resident=tr._deg_resident_tensors, measure=True)
+
+        def step(memory, tr=tr, batch=batch):
+            def run():
+                tr.deg_memory = memory
+                tr.training_step(tr.model, batch)
+                tr.model.zero_grad(set_to_none=True)
+            return run
+
+        times = _median_times({"off": step(off), "metered": step(on)}, repeats=3 if quick else 7)
+        ops = on.meter.allocations
+        out["sizes"][f"{layers}x{hidden}x{max_length}"] = {
+            "step_s": {k: round(v, 4) for k, v in times.items()},
+            "overhead": round(times["metered"] / times["off"] - 1, 3),
+            "storages_counted_per_step": ops // ((3 if quick else 7) + 1),
+        }
+        tr.release_stream()
+    return out
+
+
 BENCHES = {"stream": bench_stream, "reference": bench_reference, "planner": bench_planner, "prefix": bench_prefix,
-           "quant": bench_quant, "disk": bench_disk}
+           "estimate": bench_estimate, "meter": bench_meter, "quant": bench_quant, "disk": bench_disk}
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,9 @@ export HF_HUB_OFFLINE=1
 "$py" -m pytest tests -q -m cuda -p no:cacheprovider 2>&1 | tail -40 > "$out/pytest_cuda.txt"
 # the CPU suite's exactness tests, on a CUDA machine (tensors on CPU, the rest of the stack real)
 "$py" -m pytest tests/test_streaming.py -q -x -p no:cacheprovider 2>&1 | tail -5 > "$out/pytest_streaming.txt"
+# the memory model on this GPU: coefficients fitted to the allocator's counters, and how the CPU fit does here
+timeout 300 "$py" scripts/calibrate_memory.py --device cuda --quick --out "$out/coef_cuda.json" 2>"$out/calibrate.err" \
+  | tail -1 > "$out/calibrate_cuda.json"
 for bench in stream reference prefix quant disk; do
   timeout 300 "$py" scripts/bench.py "$bench" 2>"$out/bench_$bench.err" | tail -1 > "$out/bench_$bench.json"
 done

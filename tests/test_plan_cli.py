@@ -24,7 +24,8 @@ def _gib(value: int) -> str:
 
 def _expected(task="dpo", batch=4, max_length=2048, vram=8.0, lora_r=16):
     """The plan recomputed from the planner API, independently of deg_hf.plan_cli."""
-    from deg_hf.memory.planner import MemPlanner, lora_param_count, static_breakdown
+    from deg_hf.memory.coef import lora_param_count, static_breakdown
+    from deg_hf.memory.planner import MemPlanner
 
     config = json.loads((FIXTURE / "config.json").read_text())
     rows = 2 if task in ("dpo", "orpo", "simpo") else 1
@@ -35,7 +36,7 @@ def _expected(task="dpo", batch=4, max_length=2048, vram=8.0, lora_r=16):
         static = static_breakdown(config, streaming=streaming, stream_buffers=2, lora_params=lora, optimizer="adamw",
                                   dtype_bytes=2, trainable_dtype_bytes=4)
         planner = MemPlanner(target, sum(static.values()), model_config=config, min_rows=rows, checkpointing=True,
-                             streaming=streaming, fused_lm_head=task in ("dpo", "kto"), dtype_bytes=2,
+                             streaming=streaming, fused_lm_head=task in ("sft", "dpo", "kto"), dtype_bytes=2,
                              attn_implementation="sdpa")
         features = planner.features_of(batch * rows, max_length, batch * rows * max_length)
         activations = planner.estimate(features)
@@ -90,7 +91,7 @@ def test_plan_of_a_7b_dpo_run_on_8_gib(capsys):
     assert parts == ["-", str(math.ceil(4 / n))]
 
     assert "no weights read" in text
-    assert "deg_hf.memory.planner (module docstring" in text
+    assert "deg_hf.memory.coef (module docstring" in text
     assert "resident: does not fit even one example" in text
 
 

@@ -21,16 +21,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deg_hf.memory.planner import (
+from deg_hf.memory.coef import (
     GIB,
+    LAYER_TERMS,
+    LM_HEAD_TERMS,
     MIB,
     SIZE_FIELDS,
     TRL_LM_HEAD_TILE_TOKENS,
     TRL_LM_HEAD_TILE_VOCAB,
-    Example,
     Features,
     MemCoef,
-    MemPlanner,
+    activation_bytes,
     breakdown,
     estimate,
     features,
@@ -40,6 +41,7 @@ from deg_hf.memory.planner import (
     static_breakdown,
     static_bytes,
 )
+from deg_hf.memory.planner import Example, MemPlanner
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -171,15 +173,27 @@ def _feat(**kw) -> Features:
     return features(SMALL, **{"rows": 4, "padded_len": 512, "dtype_bytes": 2, **kw})
 
 
-def test_estimate_is_the_sum_of_its_breakdown():
+def test_estimate_is_made_of_its_breakdown():
+    """Without checkpointing every term adds; with it, the LM head's terms and a layer's working set
+    are alternatives (the larger counts), the rest adds."""
     for kw in ({}, {"fused_lm_head": True, "completion_tokens": 900}, {"checkpointing": False},
                {"attn_implementation": "eager"}, {"rows": 1}):
         f = _feat(**kw)
         parts = breakdown(f, MemCoef())
-        assert estimate(f, MemCoef()) == sum(parts.values())
         assert all(v >= 0 for v in parts.values())
-        rest = sum(parts.values()) - parts["workspace"]
+        head = sum(parts[k] for k in LM_HEAD_TERMS)
+        layer = sum(parts[k] for k in LAYER_TERMS)
+        always = sum(parts.values()) - head - layer - parts["workspace"]
+        rest = always + (max(head, layer) if f.checkpointing else head + layer)
+        assert activation_bytes(parts, f.checkpointing) == rest
+        assert estimate(f, MemCoef()) == parts["workspace"] + rest
         assert estimate(f, MemCoef(), scale=1.5) == parts["workspace"] + math.ceil(1.5 * rest)
+        if not f.checkpointing:
+            assert estimate(f, MemCoef()) == sum(parts.values())
+    f = _feat()
+    parts = breakdown(f, MemCoef())
+    assert 0 < sum(parts[k] for k in LAYER_TERMS) and 0 < sum(parts[k] for k in LM_HEAD_TERMS)
+    assert estimate(f) < sum(parts.values())  # the alternatives are not summed (control of the max)
     assert estimate(_feat()) == estimate(_feat(), MemCoef())  # default coefficients
 
 
@@ -258,7 +272,13 @@ def test_fused_lm_head_is_cheaper_than_full_logits_for_a_big_vocabulary():
     # the fused head scores labelled positions only
     labelled = features(QWEN7B, rows=2, padded_len=4096, dtype_bytes=2, fused_lm_head=True,
                         completion_tokens=500)
-    assert labelled.lm_tokens == 500 and estimate(labelled) < estimate(fused)
+    assert labelled.lm_tokens == 500 and estimate(labelled) <= estimate(fused)
+    head = [sum(breakdown(f)[k] for k in LM_HEAD_TERMS) for f in (labelled, fused)]
+    assert head[0] < head[1]
+    # ... where Triton runs; elsewhere (CPU) every position but each row's last, with fp32 temporaries
+    everywhere = features(QWEN7B, rows=2, padded_len=4096, dtype_bytes=2, fused_lm_head=True,
+                          completion_tokens=500, lm_head_compact=False)
+    assert everywhere.lm_tokens == 2 * 4095 and breakdown(everywhere)["lm_fold"] > 0 == breakdown(fused)["lm_fold"]
     assert features(QWEN7B, rows=2, padded_len=4096, completion_tokens=500).lm_tokens == 2 * 4096
 
 
@@ -455,29 +475,45 @@ def _calibrating(**kw) -> tuple[MemPlanner, Features, int, int]:
     pl = MemPlanner(80 * GIB, 20 * GIB, model_config=LLAMA7B, dtype_bytes=2, **kw)
     f = pl.features_of(4, 2048)
     parts = breakdown(f, pl.coef)
-    workspace = parts.pop("workspace")
-    rest = sum(parts.values())
+    workspace = parts["workspace"]
+    rest = activation_bytes(parts, f.checkpointing)
     assert workspace + rest > pl.noise_floor_bytes
     return pl, f, workspace, rest
 
 
 def test_observe_raises_at_once_and_lowers_only_from_a_full_window():
     pl, f, ws, rest = _calibrating()
+    m = 1 + pl.margin
     raw = pl.estimate(f)
     assert pl.observe(f, ws + 1.5 * rest)  # under-estimate: raised at once, with the margin
-    assert pl.scale == pytest.approx(1.5 * 1.05)
+    assert pl.scale == pytest.approx(1.5 * m)
     assert pl.estimate(f) > raw
     assert pl.observe(f, ws + 0.5 * rest)  # one over-estimate lowers nothing
-    assert pl.scale == pytest.approx(1.5 * 1.05)
-    for _ in range(pl.observe_window - 2):
+    assert pl.scale == pytest.approx(1.5 * m)
+    for _ in range(pl.observe_window - 3):
         pl.observe(f, ws + 1.2 * rest)
-    assert pl.scale == pytest.approx(1.5 * 1.05)  # the 1.5 sample is still in the window
-    pl.observe(f, ws + 1.2 * rest)  # the window now holds 0.5 and 1.2s: lowered to the max
-    assert pl.scale == pytest.approx(1.2 * 1.05)
+    assert pl.scale == pytest.approx(1.5 * m)  # the window is not full yet
+    pl.observe(f, ws + 1.2 * rest)  # full, still holding the 1.5: no lower
+    assert pl.scale == pytest.approx(1.5 * m)
+    pl.observe(f, ws + 1.2 * rest)  # the 1.5 left the window: lowered to the max of 0.5 and 1.2s
+    assert pl.scale == pytest.approx(1.2 * m)
     assert pl.counters == {"observed": pl.observe_window + 1, "ignored": 0, "raised": 1, "lowered": 1}
     for _ in range(pl.observe_window):
-        pl.observe(f, ws + 0.3 * rest)
-    assert pl.scale == 1.0  # never below the floor
+        pl.observe(f, ws + 0.01 * rest)
+    assert pl.scale == pl.min_scale  # never below the floor
+
+
+def test_an_out_of_memory_lower_bound_only_raises_and_static_follows_measurement():
+    pl, f, ws, rest = _calibrating()
+    assert pl.observe(f, ws + 0.5 * rest, lower_bound=True)  # below the scale: changes nothing
+    assert pl.scale == 1.0 and not pl.window
+    pl.observe(f, ws + 1.4 * rest, lower_bound=True)  # the part had used this much when it failed
+    assert pl.scale == pytest.approx(1.4 * (1 + pl.margin)) and not pl.window
+    static = pl.static_bytes
+    pl.observe_static(static - 1)  # measured less than the estimate: the estimate stays
+    assert pl.static_bytes == static
+    pl.observe_static(static + GIB)  # measured more: the budget shrinks accordingly
+    assert pl.static_bytes == static + GIB and pl.budget() == pl.target_bytes - static - GIB
 
 
 def test_observe_can_tighten_down_to_a_configured_floor():
@@ -494,6 +530,7 @@ def test_observe_can_tighten_down_to_a_configured_floor():
 
 def test_observe_ignores_tiny_batches():
     pl, f, ws, rest = _calibrating()
+    assert pl.noise_floor_bytes > 0  # the default, kept on CUDA (the trainers set 0 on CPU)
     tiny = pl.features_of(1, 8)
     assert pl.estimate(tiny) < pl.noise_floor_bytes
     assert not pl.observe(tiny, 100 * GIB)
@@ -520,7 +557,7 @@ def test_state_dict_round_trip():
     for p in (pl, fresh):
         for _ in range(p.observe_window):
             p.observe(f, ws + 1.0 * rest)
-    assert fresh.scale == pl.scale == pytest.approx(1.05)
+    assert fresh.scale == pl.scale == pytest.approx(1 + pl.margin)
     with pytest.raises(ValueError):
         fresh.load_state_dict({**state, "extra": 1})
     with pytest.raises(ValueError):
@@ -534,7 +571,7 @@ def test_module_imports_only_the_standard_library():
     code = (
         "import sys\n"
         "before = set(sys.modules)\n"
-        "import deg_hf.memory.planner\n"
+        "import deg_hf.memory.planner, deg_hf.memory.coef\n"
         "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
         "bad = sorted(m for m in new if m not in sys.stdlib_module_names and m != 'deg_hf')\n"
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, sorted(new)\n"

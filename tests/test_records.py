@@ -298,7 +298,8 @@ def test_streamed_none_streams_when_the_weights_crowd_free_cuda_memory(checkpoin
 
 def _planner(trainer, **kwargs):
     """The trainer's own planner when the mixin made one, else one made here (its absence is allowed)."""
-    from deg_hf.memory.planner import GIB, MemPlanner
+    from deg_hf.memory.coef import GIB
+    from deg_hf.memory.planner import MemPlanner
 
     planner = getattr(trainer, "deg_planner", None)
     if planner is None:

@@ -239,32 +239,31 @@ def test_counters_and_events_reach_the_logs_and_train_log_jsonl(checkpoint, tmp_
     assert all("oom_retry" in h and "est_peak_gib" in h for h in logged)
 
 
-# ----------------------------------------------------------------------------- simulator
+# ----------------------------------------------------------------------------- an enforced CPU target
 
 
-def test_simulated_device_memory_forces_splits_and_keeps_the_gradient(checkpoint, tmp_path):
+def test_an_enforced_cpu_target_forces_splits_and_keeps_the_gradient(checkpoint, tmp_path):
+    """mem_plan off (nothing planned ahead) and a target the whole micro-batch does not fit: the CPU
+    meter raises out-of-memory inside the part, split-and-retry recovers with the unsplit gradient."""
+    from deg_hf.memory.calibrate import record
+    from deg_hf.memory.coef import GIB
+
     path = checkpoint("llama")
-    want = run(build("sft", path, tmp_path / "ref"))
-    trainer = build("sft", path, tmp_path / "sim")
-    sim = trainer.simulate_device_memory(12_000)  # bytes of saved activations: one or two examples
+    ref = build("sft", path, tmp_path / "ref")
+    measured = record(ref)
+    want = run(ref)
+    in_use = ref.deg_memory.last.start_bytes
+    whole = max(s.peak_bytes for s in measured)  # a 3-example micro-batch's peak
+    target = in_use + 0.6 * whole  # one or two examples fit, three do not
+    trainer = build("sft", path, tmp_path / "cpu", mem_target_gb=target / GIB, mem_plan=False)
     got = run(trainer)
-    assert sim.raised > 0 and trainer.deg_counters["oom_retry"] > 0 and trainer.deg_counters["oom_skip"] == 0
-    assert max(sim.peaks) <= 12_000
+    assert trainer.deg_memory.enforces and trainer.deg_memory.meter.raised > 0
+    assert trainer.deg_counters["oom_retry"] > 0 and trainer.deg_counters["oom_skip"] == 0
     assert_close_gradients(got.grads[0], want.grads[0])
 
-
-def test_simulator_counts_saved_activations_that_grow_with_the_batch():
-    from deg_hf.memory.simulate import SimulatedDeviceMemory
-
-    lin = torch.nn.Linear(8, 8)
-    sim = SimulatedDeviceMemory(10**9)
-    for rows in (1, 4):
-        with sim.part():
-            lin(torch.randn(rows, 8, requires_grad=True)).tanh().sum().backward()
-    assert sim.peaks[1] > sim.peaks[0] > 0
-    tiny = SimulatedDeviceMemory(8)
-    with pytest.raises(torch.OutOfMemoryError), tiny.part():
-        lin(torch.randn(4, 8, requires_grad=True)).tanh().sum()
+    control = build("sft", path, tmp_path / "control", mem_target_gb=target / GIB, mem_plan=False, oom_retry=False)
+    with pytest.raises(torch.OutOfMemoryError, match="CPU out of memory"):  # the meter really bites
+        control.train()
 
 
 # ----------------------------------------------------------------------------- pre-flight
@@ -276,14 +275,14 @@ def test_preflight_budgets_rows_per_example_per_trainer(checkpoint, tmp_path):
     from transformers import AutoConfig
 
     from deg_hf.config import StreamConfig
-    from deg_hf.memory.planner import GIB
+    from deg_hf.memory.coef import GIB
     from deg_hf.memory.preflight import make_planner
 
     path = checkpoint("llama")
     config = AutoConfig.from_pretrained(path).to_dict()
     settings = StreamConfig(mem_target_gb=1.0)
     planner = make_planner(config, settings, device=torch.device("cpu"), streaming=True, trainable_params=4096,
-                           dtype_bytes=4, rows_per_example=1, attn_implementation=None, fused_lm_head=False)
+                           dtype_bytes=4, rows_per_example=1, attn_implementation=None, fused_lm_head=True)
 
     def need(rows, max_length=32):
         return planner.static_bytes + planner.estimate(planner.features_of(rows, max_length))

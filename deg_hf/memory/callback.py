@@ -7,7 +7,7 @@ import os
 
 from transformers import TrainerCallback
 
-from deg_hf.memory.planner import GIB
+from deg_hf.memory.coef import GIB
 
 LOG_FILE = "train.log.jsonl"
 
@@ -18,8 +18,9 @@ def _gib(n) -> float:
 
 class MemoryPlanCallback(TrainerCallback):
     """Writes a ``mem_plan`` event at train start, one line per logged step with the counters
-    ``parts``, ``oom_retry``, ``oom_skip``, ``trunk_forks`` (since the previous log), ``est_peak_gib`` and, on CUDA,
-    ``peak_gib``, and one ``oom_skip`` event per skipped example; skips the optimizer and scheduler
+    ``parts``, ``oom_retry``, ``oom_skip``, ``trunk_forks`` (since the previous log), ``est_peak_gib`` and, where
+    device memory is measured (CUDA; CPU with a target), ``peak_gib`` (the most any part held since the previous
+    log), and one ``oom_skip`` event per skipped example; skips the optimizer and scheduler
     step of an accumulation window whose every example was skipped."""
 
     def __init__(self, trainer):

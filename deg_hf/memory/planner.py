@@ -1,637 +1,34 @@
-"""Activation-memory estimate and micro-batch planner (pure Python: no torch, no numpy).
+"""The micro-batch planner (pure Python: no torch, no numpy).
 
-One training micro-batch ("part") of a decoder-only transformer with LoRA adapters is charged
-
-    estimate = workspace + scale * (sum of the other components below)
-
-where every component is ``coefficient * size``. With ``T = rows * padded_len`` charged tokens
-(padding included: a short row batched beside a long one pays the long width), ``b`` the compute
-dtype's bytes per element, ``L`` decoder layers, ``H`` hidden size, ``I`` MLP width, ``A``
-attention heads, ``K`` key/value heads, ``D`` head dim, ``V`` vocabulary, ``P`` padded_len, and
-``n`` = 1 with gradient checkpointing (only the layer being recomputed holds its working set) or
-``L`` without it (every layer keeps its whole working set), the sizes in bytes are:
-
-    component          size                                what it stands for
-    inputs             T * 8                               int64 ids, labels, mask, positions
-    embed              T * H * b                           embedding output / its gradient
-    boundary           L * T * H * b                       residual stream saved at each layer input
-    layer_hidden       n * T * H * b                       hidden-wide tensors of a layer
-    layer_hidden_fp32  n * T * H * 4                       their fp32 parts (RMSNorm, fp32 LoRA path)
-    layer_qkv          n * T * (A + 2K) * D * b            q/k/v projections, rotated copies
-    layer_inter        n * T * I * b                       gate, up, activation, product, grads
-    layer_inter_fp32   n * T * I * 4                       their fp32 parts (fp32 LoRA path)
-    attn_scores        n * T * P * A * b                   eager attention only (0 for sdpa/flash)
-    attn_mask          M * rows * P * P * (m + n * m')     4-D mask: sdpa m=1 (bool), m'=b (the
-                                                           float bias each layer call saves),
-                                                           none for one sdpa row (is_causal);
-                                                           eager m=b, m'=0; flash/flex: 0
-    logits             T_lm * V * b                        full LM head: the logits
-    logits_fp32        T_lm * V * 4                        full LM head: fp32 upcast, log-softmax,
-                                                           their gradients
-    lm_tile            min(T_lm, 4096) * min(V, 32768) * b TRL fused LM head: one projection tile
-    lm_hidden          T_lm * H * 4                        LM-head input and fp32 input gradient
-    workspace          1                                   constant bytes
-
-``M`` is the number of distinct attention-mask kinds (2 for models mixing sliding and full
-attention). ``T_lm`` is the number of positions the LM head scores: all ``T`` for a full
-(materialised) head; with TRL's fused head (``add_fused_lm_head``) only labelled positions when
-their count is known. ``logits``/``logits_fp32`` apply only to the full head and ``lm_tile`` only
-to the fused head, whose tile geometry (4096 tokens x 32768 vocabulary columns) is TRL's
-``TOKEN_CHUNK_SIZE`` and ``_CHUNKED_LOGPROB_CHUNK_SIZE``.
-
-The components are summed although the LM-head peak and the recomputed layer's peak come at
-different moments of the backward pass; the sum is a deliberate upper bound. The default
-coefficients were fitted to measured peaks of Llama-shaped LoRA steps (all-linear, dropout 0.05,
-fp32 adapters, bf16 and fp32 bases): each coefficient has a ``b``-scaled and an fp32 twin where
-the upcasts make the bytes nearly dtype-independent.
-
-``scale`` (never below its floor, 1.0 by default) is calibrated from measured peaks by
-:meth:`MemPlanner.observe`; it multiplies everything but the constant workspace. The planner's
-budget is ``target_bytes - static_bytes`` in real bytes; a part fits when its scaled estimate is
-at most the budget. Every coefficient is non-negative and every size only ever adds, so the
-estimate is monotone non-decreasing in each size and each coefficient.
-
-The non-activation memory (:func:`static_bytes`) is resident weights (embeddings, final norm,
-an untied LM head), decoder weights in flight (``stream_buffers`` layers when streaming, all
-layers otherwise), adapter parameters, their gradients and optimizer state.
+:class:`MemPlanner` cuts a micro-batch of :class:`Example` s into contiguous :class:`Part` s whose
+estimated activation memory (:func:`deg_hf.memory.coef.estimate`) fits ``target - static``, splits
+one example's rows, halves a part for a retry after running out of memory, and calibrates its
+``scale`` from measured peaks (:meth:`MemPlanner.observe`).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import operator
-import os
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Union
 
-__all__ = [
-    "GIB",
-    "MIB",
-    "TRL_LM_HEAD_TILE_TOKENS",
-    "TRL_LM_HEAD_TILE_VOCAB",
-    "LORA_MODULES",
-    "MemCoef",
-    "ModelDims",
-    "Features",
-    "Example",
-    "Part",
-    "MemPlanner",
-    "model_dims",
-    "features",
-    "estimate",
-    "breakdown",
-    "lora_param_count",
-    "layer_param_count",
-    "static_breakdown",
-    "static_bytes",
-]
-
-MIB = 1 << 20
-GIB = 1 << 30
-
-# TRL's fused LM head (trl.kernels.chunked_logprob.ChunkedLogProbFunction) projects
-# [TOKEN_CHUNK_SIZE, chunk_size] tiles, chunk_size being trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE.
-TRL_LM_HEAD_TILE_TOKENS = 4096
-TRL_LM_HEAD_TILE_VOCAB = 32768
-
-# Attention kernels that never materialise the (rows, heads, P, P) score matrix.
-_NO_MASK_ATTN = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
-_MEMORY_EFFICIENT_ATTN = ("sdpa", *_NO_MASK_ATTN, "paged_attention")
-
-# Adam keeps two moments per trainable parameter.
-_ADAM_STATES = 2
-
-
-# ----------------------------------------------------------------------------- coefficients
-
-
-@dataclass
-class MemCoef:
-    """Non-negative multipliers of the activation-memory sizes (see the module docstring).
-
-    Each field multiplies one size (already in bytes, the dtype included through
-    ``Features.dtype_bytes``), so one file serves bf16 and fp32 runs. ``workspace`` is a constant
-    in bytes. The defaults are deliberately on the generous side for bf16 LoRA training with
-    LoRA dropout; :meth:`MemPlanner.observe` corrects the overall scale from measured peaks.
-    """
-
-    # int64 input tensors: input_ids, labels, attention_mask, position_ids
-    inputs: float = 4.0
-    # embedding output (the first checkpoint input) and its gradient at the end of backward
-    embed: float = 1.0
-    # one saved residual-stream tensor per layer input (the checkpoint boundary)
-    boundary: float = 1.0
-    # hidden-wide tensors of one layer in the compute dtype: norm outputs, attention/MLP outputs
-    layer_hidden: float = 2.0
-    # hidden-wide fp32 tensors: RMSNorm upcasts, LoRA dropout copies cast to the fp32 adapters
-    # for q/k/v/o/gate/up, their gradients
-    layer_hidden_fp32: float = 14.0
-    # q, k, v projections and their rotated copies (width (A + 2K) * D)
-    layer_qkv: float = 1.0
-    # intermediate-wide tensors in the compute dtype: gate, up, act(gate), act*up, gradients
-    layer_inter: float = 2.0
-    # intermediate-wide fp32 tensors: down_proj's LoRA input (dropout copy) and its gradient
-    layer_inter_fp32: float = 4.0
-    # eager attention: scores, softmax, probabilities (memory-efficient kernels: size 0)
-    attn_scores: float = 3.0
-    # the 4-D attention mask and the float bias sdpa derives from it per layer call
-    attn_mask: float = 1.0
-    # full LM head: logits in the compute dtype
-    logits: float = 1.0
-    # full LM head: fp32 upcast for the loss, log-softmax saved for backward, the gradients
-    logits_fp32: float = 3.0
-    # fused LM head: the projection tile (forward and backward each allocate one, not together)
-    lm_tile: float = 1.0
-    # LM-head input (final norm output or the fused head's copy) and the fp32 grad accumulator
-    lm_hidden: float = 3.0
-    # constant bytes: scalars, small per-step buffers, allocator rounding
-    workspace: float = float(64 * MIB)
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, _check_coef(f.name, getattr(self, f.name)))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MemCoef:
-        """Coefficients from a mapping; missing keys keep their defaults.
-
-        Raises ``ValueError`` naming the key for an unknown key or a value that is not a finite,
-        non-negative number.
-        """
-        if not isinstance(data, Mapping):
-            raise ValueError(f"memory coefficients must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        for key in data:
-            if key not in known:
-                raise ValueError(f"unknown memory coefficient {key!r} (known: {', '.join(sorted(known))})")
-        return cls(**{k: _check_coef(k, v) for k, v in data.items()})
-
-    def to_dict(self) -> dict[str, float]:
-        """Every coefficient by name (what :meth:`save` writes)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> MemCoef:
-        """Read a JSON object of coefficients (partial files are fine)."""
-        with open(path, encoding="utf-8") as fh:
-            try:
-                data = json.load(fh)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{os.fspath(path)}: not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write every coefficient as a JSON object."""
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(self.to_dict(), fh, indent=2, sort_keys=True)
-            fh.write("\n")
-
-
-def _check_coef(name: str, value: Any) -> float:
-    # bool is an int subclass; `true` in a JSON file is a mistake, not a coefficient
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"memory coefficient {name!r} must be a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"memory coefficient {name!r} must be finite and >= 0, got {value!r}")
-    return value
-
-
-# ----------------------------------------------------------------------------- model dimensions
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The few sizes of a decoder-only transformer the estimate needs."""
-
-    hidden: int
-    intermediate: int  # activation width of the MLP per token (routed experts included)
-    layers: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool = False
-    mask_kinds: int = 1  # distinct attention-mask kinds (sliding + full: 2)
-    experts: int = 0  # routed experts per MoE layer (0: dense MLP)
-    expert_intermediate: int = 0
-    shared_intermediate: int = 0
-    dense_intermediate: int = 0  # the config's intermediate_size (dense MLP width)
-
-
-_ALIASES = {
-    "hidden_size": ("hidden_size", "n_embd", "d_model"),
-    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "vocab_size": ("vocab_size",),
-    "intermediate_size": ("intermediate_size", "n_inner", "ffn_dim"),
-    "num_attention_heads": ("num_attention_heads", "n_head"),
-    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"),
-    "head_dim": ("head_dim",),
-    "tie_word_embeddings": ("tie_word_embeddings",),
-    "layer_types": ("layer_types",),
-    "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
-    "num_experts_per_tok": ("num_experts_per_tok",),
-    "moe_intermediate_size": ("moe_intermediate_size",),
-    "shared_expert_intermediate_size": ("shared_expert_intermediate_size",),
-    "n_shared_experts": ("n_shared_experts",),
-}
-
-
-def _raw(cfg: Any, key: str) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(key)
-    return getattr(cfg, key, None)
-
-
-def _text_config(cfg: Any) -> Any:
-    """The language-model part of a (possibly multimodal) config."""
-    if cfg is None:
-        raise ValueError("model_config is required")
-    if not isinstance(cfg, Mapping):
-        getter = getattr(cfg, "get_text_config", None)
-        if callable(getter):  # transformers.PretrainedConfig
-            try:
-                return getter()
-            except TypeError:
-                pass
-    if _raw(cfg, "hidden_size") is None:
-        for key in ("text_config", "language_config", "llm_config"):
-            sub = _raw(cfg, key)
-            if sub is not None:
-                return sub
-    return cfg
-
-
-def _lookup(text: Any, top: Any, name: str) -> Any:
-    # the text sub-config first; multimodal configs keep e.g. tie_word_embeddings at the top
-    for cfg in (text, top):
-        for key in _ALIASES[name]:
-            value = _raw(cfg, key)
-            if value is not None:
-                return value
-    return None
-
-
-def _pos_int(name: str, value: Any) -> int:
-    """``value`` as a non-negative int (numpy/torch integers welcome, bools and floats not)."""
-    try:
-        out = operator.index(value)
-    except TypeError:
-        out = None
-    if isinstance(value, bool) or out is None or out < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return out
-
-
-def model_dims(model_config: Any) -> ModelDims:
-    """Read the sizes from a config.json dict or a config object (``text_config`` honoured).
-
-    ``hidden_size``, ``num_hidden_layers`` and ``vocab_size`` are required; the rest default
-    like a Llama config (``intermediate_size = 4 H``, 128-wide heads, no grouped-query attention,
-    untied embeddings, which is the larger choice). For MoE configs the per-token MLP activation
-    width is ``experts_per_tok * expert_intermediate + shared_intermediate``.
-    """
-    if isinstance(model_config, ModelDims):
-        return model_config
-    text = _text_config(model_config)
-    top = model_config
-    got: dict[str, int] = {}
-    for name in ("hidden_size", "num_hidden_layers", "vocab_size"):
-        value = _lookup(text, top, name)
-        if value is None:
-            raise ValueError(f"model config has no {name}")
-        got[name] = _pos_int(name, value)
-    hidden = got["hidden_size"]
-    heads = _lookup(text, top, "num_attention_heads")
-    heads = max(1, hidden // 128) if heads is None else max(1, _pos_int("num_attention_heads", heads))
-    kv = _lookup(text, top, "num_key_value_heads")
-    kv = heads if kv is None else _pos_int("num_key_value_heads", kv)
-    head_dim = _lookup(text, top, "head_dim")
-    head_dim = hidden // heads if head_dim is None else _pos_int("head_dim", head_dim)
-    inter = _lookup(text, top, "intermediate_size")
-    inter = 4 * hidden if inter is None else _pos_int("intermediate_size", inter)
-    tie = _lookup(text, top, "tie_word_embeddings")
-    layer_types = _lookup(text, top, "layer_types")
-    attn_kinds = {t for t in layer_types or () if isinstance(t, str) and "attention" in t}
-    experts = _lookup(text, top, "experts")
-    experts = 0 if experts is None else _pos_int("num_experts", experts)
-    per_tok = _pos_int("num_experts_per_tok", _lookup(text, top, "num_experts_per_tok") or 0)
-    expert_inter = _pos_int("moe_intermediate_size", _lookup(text, top, "moe_intermediate_size") or inter)
-    shared = _lookup(text, top, "shared_expert_intermediate_size")
-    if shared is None:
-        shared = _pos_int("n_shared_experts", _lookup(text, top, "n_shared_experts") or 0) * expert_inter
-    shared = _pos_int("shared_expert_intermediate_size", shared)
-    act_inter = inter
-    if experts and per_tok:
-        act_inter = max(inter, per_tok * expert_inter + shared)
-    return ModelDims(
-        hidden=hidden,
-        intermediate=act_inter,
-        layers=got["num_hidden_layers"],
-        vocab=got["vocab_size"],
-        heads=heads,
-        kv_heads=kv,
-        head_dim=head_dim,
-        tie_word_embeddings=bool(tie),
-        mask_kinds=max(1, len(attn_kinds)),
-        experts=experts if per_tok else 0,
-        expert_intermediate=expert_inter if experts and per_tok else 0,
-        shared_intermediate=shared if experts and per_tok else 0,
-        dense_intermediate=inter,
-    )
-
-
-# ----------------------------------------------------------------------------- features
-
-
-@dataclass(frozen=True)
-class Features:
-    """Sizes of one micro-batch (a "part") for :func:`estimate`; build with :func:`features`.
-
-    ``tokens`` is the number of positions the decoder computes (``rows * padded_len`` with
-    padding); ``lm_tokens`` the number the LM head scores. ``prompt_tokens`` and
-    ``completion_tokens`` are recorded for logs; only ``lm_tokens`` enters the estimate.
-    ``streaming`` is recorded too: it moves weights (see :func:`static_bytes`), not activations.
-    """
-
-    rows: int
-    padded_len: int
-    tokens: int
-    lm_tokens: int
-    hidden: int
-    intermediate: int
-    layers: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int = 4
-    mask_kinds: int = 1
-    lm_head_tile_tokens: int = TRL_LM_HEAD_TILE_TOKENS
-    lm_head_tile_vocab: int = TRL_LM_HEAD_TILE_VOCAB
-    checkpointing: bool = True
-    streaming: bool = True
-    fused_lm_head: bool = False
-    attn_implementation: str = "sdpa"
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-# the integer sizes the estimate is monotone in
-SIZE_FIELDS = (
-    "rows", "padded_len", "tokens", "lm_tokens", "hidden", "intermediate", "layers", "vocab",
-    "heads", "kv_heads", "head_dim", "dtype_bytes", "mask_kinds", "lm_head_tile_tokens",
-    "lm_head_tile_vocab",
-)  # fmt: skip
-
-
-def features(
-    model_config: Any,
-    *,
-    rows: int,
-    padded_len: int,
-    tokens: int | None = None,
-    prompt_tokens: int | None = None,
-    completion_tokens: int | None = None,
-    streaming: bool = True,
-    checkpointing: bool = True,
-    fused_lm_head: bool = False,
-    lm_head_tile: int = TRL_LM_HEAD_TILE_TOKENS,
-    lm_head_tile_vocab: int = TRL_LM_HEAD_TILE_VOCAB,
-    dtype_bytes: int = 4,
-    attn_implementation: str = "sdpa",
-) -> Features:
-    """Sizes of a part of ``rows`` rows padded to ``padded_len`` tokens.
-
-    ``model_config`` is a config.json dict, a config object or :class:`ModelDims`. ``tokens``
-    overrides ``rows * padded_len`` (padding-free packing: one row of the summed lengths).
-    ``completion_tokens`` (labelled positions) narrows the fused LM head to those positions, as
-    TRL's fused head scores only labels that are not -100; the full head scores every position.
-    """
-    dims = model_dims(model_config)
-    rows, padded_len = _pos_int("rows", rows), _pos_int("padded_len", padded_len)
-    lm_head_tile = _pos_int("lm_head_tile", lm_head_tile)
-    lm_head_tile_vocab = _pos_int("lm_head_tile_vocab", lm_head_tile_vocab)
-    dtype_bytes = _pos_int("dtype_bytes", dtype_bytes)
-    n_tok = rows * padded_len if tokens is None else _pos_int("tokens", tokens)
-    lm_tokens = n_tok
-    if fused_lm_head and completion_tokens is not None:
-        lm_tokens = min(n_tok, _pos_int("completion_tokens", completion_tokens))
-    if prompt_tokens is not None:
-        _pos_int("prompt_tokens", prompt_tokens)
-    return Features(
-        rows=rows,
-        padded_len=padded_len,
-        tokens=n_tok,
-        lm_tokens=lm_tokens,
-        hidden=dims.hidden,
-        intermediate=dims.intermediate,
-        layers=dims.layers,
-        vocab=dims.vocab,
-        heads=dims.heads,
-        kv_heads=dims.kv_heads,
-        head_dim=dims.head_dim,
-        dtype_bytes=dtype_bytes,
-        mask_kinds=dims.mask_kinds,
-        lm_head_tile_tokens=lm_head_tile,
-        lm_head_tile_vocab=lm_head_tile_vocab,
-        checkpointing=checkpointing,
-        streaming=streaming,
-        fused_lm_head=fused_lm_head,
-        attn_implementation=attn_implementation,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-    )
-
-
-# ----------------------------------------------------------------------------- the estimate
-
-
-def _mask_bytes(f: Features) -> tuple[int, int]:
-    """(bytes held once, bytes saved per live layer) per mask element."""
-    impl = f.attn_implementation
-    if impl in _NO_MASK_ATTN or "flash" in impl:
-        return 0, 0  # varlen kernels take cu_seqlens; flex builds a small block mask
-    if impl == "sdpa":
-        # a boolean mask, turned into a float bias by every sdpa call and saved for its backward
-        return 1, f.dtype_bytes
-    return f.dtype_bytes, 0  # eager and unknown kernels: an additive float mask
-
-
-def _materialises_scores(f: Features) -> bool:
-    impl = f.attn_implementation
-    return not (impl in _MEMORY_EFFICIENT_ATTN or "flash" in impl)
-
-
-def _sizes(f: Features) -> dict[str, int]:
-    """Exact integer sizes (bytes at coefficient 1) per component."""
-    b = f.dtype_bytes
-    t = f.tokens
-    live = 1 if f.checkpointing else f.layers
-    qkv_width = (f.heads + 2 * f.kv_heads) * f.head_dim
-    full = not f.fused_lm_head
-    held, per_layer = _mask_bytes(f)
-    kinds = f.mask_kinds
-    if f.attn_implementation == "sdpa" and f.rows <= 1:
-        # one row has no padding: transformers skips the full-attention mask and lets sdpa run
-        # is_causal (a sliding-window mask, if any, is still counted)
-        kinds -= 1
-    return {
-        "inputs": t * 8,
-        "embed": t * f.hidden * b,
-        "boundary": f.layers * t * f.hidden * b,
-        "layer_hidden": live * t * f.hidden * b,
-        "layer_hidden_fp32": live * t * f.hidden * 4,
-        "layer_qkv": live * t * qkv_width * b,
-        "layer_inter": live * t * f.intermediate * b,
-        "layer_inter_fp32": live * t * f.intermediate * 4,
-        "attn_scores": live * t * f.padded_len * f.heads * b if _materialises_scores(f) else 0,
-        "attn_mask": kinds * f.rows * f.padded_len * f.padded_len * (held + live * per_layer),
-        "logits": f.lm_tokens * f.vocab * b if full else 0,
-        "logits_fp32": f.lm_tokens * f.vocab * 4 if full else 0,
-        "lm_tile": 0 if full else (min(f.lm_tokens, f.lm_head_tile_tokens)
-                                   * min(f.vocab, f.lm_head_tile_vocab) * b),
-        "lm_hidden": f.lm_tokens * f.hidden * 4,
-        "workspace": 1,
-    }
-
-
-def breakdown(features: Features, coef: MemCoef | None = None) -> dict[str, int]:
-    """Unscaled bytes per component: ``ceil(coefficient * size)``, keyed by coefficient name."""
-    coef = MemCoef() if coef is None else coef
-    return {name: math.ceil(getattr(coef, name) * size) for name, size in _sizes(features).items()}
-
-
-def estimate(features: Features, coef: MemCoef | None = None, scale: float = 1.0) -> int:
-    """Activation bytes of one forward+backward: ``workspace + ceil(scale * rest)``.
-
-    ``rest`` is the sum of the other components of :func:`breakdown`; at ``scale=1`` the estimate
-    equals ``sum(breakdown(...).values())``.
-    """
-    if not math.isfinite(scale) or scale < 0:
-        raise ValueError(f"scale must be finite and >= 0, got {scale!r}")
-    parts = breakdown(features, coef)
-    workspace = parts.pop("workspace")
-    rest = sum(parts.values())
-    return workspace + (rest if scale == 1.0 else math.ceil(scale * rest))
-
-
-# ----------------------------------------------------------------------------- static memory
-
-# LoRA target name -> (in features, out features) as a function of the dims
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _linear_shapes(d: ModelDims) -> dict[str, tuple[int, int]]:
-    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    inter = d.dense_intermediate or d.intermediate
-    return {
-        "q_proj": (d.hidden, q),
-        "k_proj": (d.hidden, kv),
-        "v_proj": (d.hidden, kv),
-        "o_proj": (q, d.hidden),
-        "gate_proj": (d.hidden, inter),
-        "up_proj": (d.hidden, inter),
-        "down_proj": (inter, d.hidden),
-    }
-
-
-def lora_param_count(model_config: Any, r: int, target_modules: str | Iterable[str] = "all-linear") -> int:
-    """LoRA parameters (``r * (in + out)`` per targeted projection per layer) of a dense decoder.
-
-    ``target_modules`` is ``"all-linear"`` (all seven projections, as PEFT does, LM head excluded)
-    or names among :data:`LORA_MODULES` (``"q"`` is accepted for ``"q_proj"``). MoE expert weights
-    are not counted.
-    """
-    d = model_dims(model_config)
-    _pos_int("r", r)
-    shapes = _linear_shapes(d)
-    if isinstance(target_modules, str):
-        names = list(LORA_MODULES) if target_modules == "all-linear" else [target_modules]
-    else:
-        names = list(target_modules)
-    per_layer = 0
-    for name in dict.fromkeys(names):  # PEFT wraps each module once
-        key = name if name in shapes else f"{name}_proj"
-        if key not in shapes:
-            raise ValueError(f"unknown LoRA target module {name!r} (known: {', '.join(LORA_MODULES)})")
-        fan_in, fan_out = shapes[key]
-        per_layer += r * (fan_in + fan_out)
-    return per_layer * d.layers
-
-
-def layer_param_count(model_config: Any) -> int:
-    """Weights of one decoder layer: attention, MLP (or experts + router) and two norms."""
-    d = model_dims(model_config)
-    s = _linear_shapes(d)
-    attn = sum(s[k][0] * s[k][1] for k in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    if d.experts:
-        mlp = d.experts * 3 * d.hidden * d.expert_intermediate + d.hidden * d.experts
-        mlp += 3 * d.hidden * d.shared_intermediate
-    else:
-        mlp = sum(s[k][0] * s[k][1] for k in ("gate_proj", "up_proj", "down_proj"))
-    return attn + mlp + 2 * d.hidden
-
-
-def _optimizer_state_bytes(optimizer: str, trainable_dtype_bytes: float) -> float:
-    name = optimizer.lower()
-    if name in ("sgd", "none") or name.startswith("adafactor"):
-        return 0.0  # plain SGD keeps nothing; Adafactor's factored moments are negligible here
-    if "8bit" in name:
-        return _ADAM_STATES * 1.0  # two 8-bit moments (block scales are negligible)
-    if "lion" in name:
-        return 1.0 * trainable_dtype_bytes  # one momentum
-    return _ADAM_STATES * trainable_dtype_bytes  # Adam(W) and anything unknown: two moments
-
-
-def static_breakdown(
-    model_config: Any,
-    *,
-    streaming: bool = True,
-    stream_buffers: int = 2,
-    lora_params: int = 0,
-    optimizer: str = "adamw",
-    dtype_bytes: float = 2,
-    trainable_dtype_bytes: float = 4,
-    weight_dtype_bytes: float | None = None,
-) -> dict[str, int]:
-    """Device bytes held outside activations, per component.
-
-    ``resident``: embeddings, final norm and an untied LM head in ``dtype_bytes``. ``layers``:
-    decoder weights in ``weight_dtype_bytes`` (default ``dtype_bytes``; ~0.56 for NF4), either
-    ``stream_buffers`` layers in flight when streaming or all of them. ``adapters``, ``grads``
-    and ``optimizer``: LoRA parameters, their gradients (both in ``trainable_dtype_bytes``) and
-    the optimizer state (Adam: two moments).
-    """
-    d = model_dims(model_config)
-    wb = dtype_bytes if weight_dtype_bytes is None else weight_dtype_bytes
-    for name, value in (("dtype_bytes", dtype_bytes), ("trainable_dtype_bytes", trainable_dtype_bytes),
-                        ("weight_dtype_bytes", wb)):
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
-    _pos_int("stream_buffers", stream_buffers)
-    _pos_int("lora_params", lora_params)
-    embed = d.vocab * d.hidden * (1 if d.tie_word_embeddings else 2)
-    in_flight = min(stream_buffers, d.layers) if streaming else d.layers
-    return {
-        "resident": math.ceil((embed + d.hidden) * dtype_bytes),
-        "layers": math.ceil(in_flight * layer_param_count(d) * wb),
-        "adapters": math.ceil(lora_params * trainable_dtype_bytes),
-        "grads": math.ceil(lora_params * trainable_dtype_bytes),
-        "optimizer": math.ceil(lora_params * _optimizer_state_bytes(optimizer, trainable_dtype_bytes)),
-    }
-
-
-def static_bytes(model_config: Any, **kwargs: Any) -> int:
-    """Sum of :func:`static_breakdown` (same keyword arguments)."""
-    return sum(static_breakdown(model_config, **kwargs).values())
-
+from deg_hf.memory.coef import (
+    MIB,
+    TRL_LM_HEAD_TILE_TOKENS,
+    TRL_LM_HEAD_TILE_VOCAB,
+    Features,
+    MemCoef,
+    activation_bytes,
+    breakdown,
+    estimate,
+    features,
+    model_dims,
+    non_negative_int,
+)
+
+__all__ = ["Example", "Part", "MemPlanner"]
 
 # ----------------------------------------------------------------------------- batches and parts
 
@@ -642,20 +39,32 @@ class Example:
 
     SFT/KTO examples have one row; preference pairs (DPO, ORPO, SimPO) have two, chosen and
     rejected, which the pairs path keeps together. ``prompt_len`` (tokens of each row that carry
-    no label) lets the fused LM head be charged for labelled positions only.
+    no label) lets the fused LM head be charged for labelled positions only. ``lm_lengths`` are
+    the rows the LM head scores when they are not the decoder's: a pair packed as one
+    ``prompt | chosen | rejected`` row is scored as its two rows ``prompt + chosen`` and
+    ``prompt + rejected``.
     """
 
     index: Any
     lengths: tuple[int, ...]
     prompt_len: int | None = None
+    lm_lengths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         raw = (self.lengths,) if isinstance(self.lengths, int) else tuple(self.lengths)
         if not raw:
             raise ValueError(f"example {self.index!r} has no rows")
-        object.__setattr__(self, "lengths", tuple(_pos_int("row length", n) for n in raw))
+        object.__setattr__(self, "lengths", tuple(non_negative_int("row length", n) for n in raw))
         if self.prompt_len is not None:
-            object.__setattr__(self, "prompt_len", _pos_int("prompt_len", self.prompt_len))
+            object.__setattr__(self, "prompt_len", non_negative_int("prompt_len", self.prompt_len))
+        if self.lm_lengths is not None:
+            lm = tuple(non_negative_int("LM-head row length", n) for n in self.lm_lengths)
+            object.__setattr__(self, "lm_lengths", lm or None)
+
+    @property
+    def lm_rows(self) -> tuple[int, ...]:
+        """The rows the LM head scores: ``lm_lengths`` when set, else the decoder's rows."""
+        return self.lm_lengths if self.lm_lengths is not None else self.lengths
 
     @property
     def rows(self) -> int:
@@ -666,9 +75,11 @@ class Example:
         return max(self.lengths)
 
     def labelled(self, lo: int = 0, hi: int | None = None) -> int:
-        """Labelled positions of rows ``lo:hi`` (every position when ``prompt_len`` is unknown)."""
+        """Labelled positions of rows ``lo:hi`` (every position when ``prompt_len`` is unknown); of
+        the LM head's rows when they differ from the decoder's."""
         p = self.prompt_len or 0
-        return sum(max(0, n - p) for n in self.lengths[lo:hi])
+        rows = self.lengths[lo:hi] if self.lm_lengths is None else self.lm_lengths
+        return sum(max(0, n - p) for n in rows)
 
 
 @dataclass(frozen=True)
@@ -703,6 +114,21 @@ class Part:
 Batch = Union[Part, Example, Features, Sequence[Example]]
 
 
+def _unit(ex: Example, lo: int = 0, hi: int | None = None) -> tuple[int, int, int, int, int]:
+    """(rows, width, labelled, LM-head rows, LM-head width) of rows ``lo:hi`` of ``ex``."""
+    rows = ex.lengths[lo:hi]
+    lm = rows if ex.lm_lengths is None else ex.lm_lengths
+    return len(rows), max(rows), ex.labelled(lo, hi), len(lm), max(lm)
+
+
+def _combine(units: Iterable[tuple[int, ...]]) -> tuple[int, int, int, int, int]:
+    """The units of several examples batched together: rows add up, widths pad to the longest."""
+    rows = width = lab = lm_rows = lm_width = 0
+    for r, w, lb, lr, lw in units:
+        rows, width, lab, lm_rows, lm_width = rows + r, max(width, w), lab + lb, lm_rows + lr, max(lm_width, lw)
+    return rows, width, lab, lm_rows, lm_width
+
+
 # ----------------------------------------------------------------------------- the planner
 
 
@@ -715,10 +141,13 @@ class MemPlanner:
 
     Calibration (:meth:`observe`): each measured activation peak gives a ratio
     ``(measured - workspace) / (raw estimate - workspace)``. A ratio above the current scale
-    raises the scale at once to ``ratio * (1 + margin)``; the scale is lowered only when the last
-    ``observe_window`` ratios are all known, to their maximum times ``(1 + margin)``, never below
-    ``min_scale``. Parts whose raw estimate is below ``noise_floor_bytes`` are ignored: their
-    peak is dominated by allocator and workspace noise.
+    raises the scale at once to ``ratio * (1 + margin)``; once ``observe_window`` ratios are
+    known the scale follows their maximum times ``(1 + margin)`` down as well, never below
+    ``min_scale``. A part that ran out of memory gives a lower bound on its peak, which can only
+    raise the scale. Parts whose raw estimate is below ``noise_floor_bytes`` are ignored (on CUDA
+    their peak is dominated by allocator and workspace noise; the CPU meter counts exactly, and
+    the trainers set no floor there). :meth:`observe_static` keeps ``static_bytes`` at least what
+    was measured in use before a part.
 
     ``min_rows`` is the smallest row chunk :meth:`split_rows` and :meth:`halve` may cut (2 keeps
     a chosen/rejected pair together).
@@ -735,14 +164,15 @@ class MemPlanner:
         checkpointing: bool = True,
         streaming: bool = True,
         fused_lm_head: bool = False,
+        lm_head_compact: bool = True,
         lm_head_tile: int = TRL_LM_HEAD_TILE_TOKENS,
         lm_head_tile_vocab: int = TRL_LM_HEAD_TILE_VOCAB,
         dtype_bytes: int = 4,
         attn_implementation: str = "sdpa",
-        observe_window: int = 8,
+        observe_window: int = 5,
         noise_floor_bytes: int = 256 * MIB,
-        margin: float = 0.05,
-        min_scale: float = 1.0,
+        margin: float = 0.02,
+        min_scale: float = 0.25,
         scale: float = 1.0,
     ) -> None:
         for name, value in (("target_bytes", target_bytes), ("static_bytes", static_bytes),
@@ -764,6 +194,7 @@ class MemPlanner:
         self.checkpointing = checkpointing
         self.streaming = streaming
         self.fused_lm_head = fused_lm_head
+        self.lm_head_compact = lm_head_compact
         self.lm_head_tile = lm_head_tile
         self.lm_head_tile_vocab = lm_head_tile_vocab
         self.dtype_bytes = dtype_bytes
@@ -782,46 +213,50 @@ class MemPlanner:
         """Bytes left for activations: ``max(0, target - static)`` (unscaled, real bytes)."""
         return max(0, self.target_bytes - self.static_bytes)
 
-    def features_of(self, rows: int, padded_len: int, completion_tokens: int | None = None) -> Features:
-        """Features of ``rows`` rows padded to ``padded_len`` under this planner's settings."""
+    def features_of(self, rows: int, padded_len: int, completion_tokens: int | None = None,
+                    lm_rows: int | None = None, lm_width: int | None = None) -> Features:
+        """Features of ``rows`` rows padded to ``padded_len`` under this planner's settings (the LM
+        head scoring ``lm_rows`` rows of ``lm_width``, by default the same)."""
         return features(
             self.dims,
             rows=rows,
             padded_len=padded_len,
+            lm_rows=lm_rows,
+            lm_width=lm_width,
             completion_tokens=completion_tokens,
             streaming=self.streaming,
             checkpointing=self.checkpointing,
             fused_lm_head=self.fused_lm_head,
+            lm_head_compact=self.lm_head_compact,
             lm_head_tile=self.lm_head_tile,
             lm_head_tile_vocab=self.lm_head_tile_vocab,
             dtype_bytes=self.dtype_bytes,
             attn_implementation=self.attn_implementation,
         )
 
-    def _features(self, x: Batch) -> Features:
+    def features_for(self, x: Batch) -> Features:
+        """The sizes the estimate of a part, an example, a list of examples or features is made of."""
         if isinstance(x, Features):
             return x
         if isinstance(x, Part):
             return x.features
         examples = [x] if isinstance(x, Example) else list(x)
-        rows = sum(ex.rows for ex in examples)
-        padded = max((ex.max_len for ex in examples), default=0)
-        return self.features_of(rows, padded, sum(ex.labelled() for ex in examples))
+        return self.features_of(*_combine(_unit(ex) for ex in examples))
 
     def estimate(self, x: Batch) -> int:
         """Scaled activation estimate of a part, an example, a list of examples or features."""
-        return estimate(self._features(x), self.coef, self.scale)
+        return estimate(self.features_for(x), self.coef, self.scale)
 
     def fits(self, x: Batch) -> bool:
         return self.estimate(x) <= self.budget()
 
     def _part(self, examples: Sequence[Example], row_range: tuple[int, int] | None = None) -> Part:
         if row_range is None:
-            f = self._features(examples)
+            f = self.features_for(examples)
         else:
             (ex,) = examples
             lo, hi = row_range
-            f = self.features_of(hi - lo, max(ex.lengths[lo:hi]), ex.labelled(lo, hi))
+            f = self.features_of(*_unit(ex, lo, hi))
             if (lo, hi) == (0, ex.rows):
                 row_range = None  # all rows: the whole example, as plan() would give it
         est = estimate(f, self.coef, self.scale)
@@ -829,8 +264,9 @@ class MemPlanner:
 
     # -- planning ------------------------------------------------------------------------
 
-    def _partition(self, units: Sequence[tuple[int, int, int]]) -> list[tuple[int, int]]:
-        """Cut ``units`` (rows, max length, labelled tokens) into contiguous fitting runs.
+    def _partition(self, units: Sequence[tuple[int, ...]]) -> list[tuple[int, int]]:
+        """Cut ``units`` (:func:`_unit`: rows, max length, labelled tokens, LM-head rows and width)
+        into contiguous fitting runs.
 
         Minimises the number of runs, then the padded tokens (rows * padded width summed over
         runs), by dynamic programming over cut points. A run fits when its estimate is within
@@ -846,11 +282,11 @@ class MemPlanner:
         for j in range(n):
             if best[j] == inf:
                 continue
-            rows = width = lab = 0
+            run = (0, 0, 0, 0, 0)
             for i in range(j, n):
-                r, w, lb = units[i]
-                rows, width, lab = rows + r, max(width, w), lab + lb
-                f = self.features_of(rows, width, lab)
+                run = _combine((run, units[i]))
+                rows, width = run[0], run[1]
+                f = self.features_of(*run)
                 if i > j and estimate(f, self.coef, self.scale) > budget:
                     break  # supersets of a run that does not fit do not fit either
                 cost = (best[j][0] + 1, best[j][1] + rows * width)
@@ -872,7 +308,7 @@ class MemPlanner:
         saves the most padding among the plans with the fewest parts.
         """
         examples = list(batch)
-        units = [(ex.rows, ex.max_len, ex.labelled()) for ex in examples]
+        units = [_unit(ex) for ex in examples]
         return [self._part(examples[a:b]) for a, b in self._partition(units)]
 
     def _row_units(self, lo: int, hi: int, min_rows: int) -> list[tuple[int, int]]:
@@ -902,7 +338,7 @@ class MemPlanner:
         if m < 1:
             raise ValueError(f"min_rows must be >= 1, got {m}")
         bounds = self._row_units(lo, hi, m)
-        units = [(b - a, max(ex.lengths[a:b]), ex.labelled(a, b)) for a, b in bounds]
+        units = [_unit(ex, a, b) for a, b in bounds]
         return [self._part([ex], (bounds[a][0], bounds[b - 1][1])) for a, b in self._partition(units)]
 
     def halve(self, part: Part | Sequence[Example]) -> tuple[Part, Part] | None:
@@ -932,7 +368,7 @@ class MemPlanner:
 
         0 when a single example does not fit; at most ``max_examples``.
         """
-        _pos_int("example_len", example_len)
+        non_negative_int("example_len", example_len)
         if rows_per_example < 1:
             raise ValueError(f"rows_per_example must be >= 1, got {rows_per_example}")
         labelled = rows_per_example * max(0, example_len - (prompt_len or 0))
@@ -951,22 +387,34 @@ class MemPlanner:
 
     # -- calibration ---------------------------------------------------------------------
 
-    def observe(self, x: Batch, measured_peak_bytes: float) -> bool:
+    def observe_static(self, in_use_bytes: float) -> None:
+        """Device memory measured in use before a part: the budget never assumes less is held."""
+        if math.isfinite(in_use_bytes) and in_use_bytes > self.static_bytes:
+            self.static_bytes = int(in_use_bytes)
+
+    def observe(self, x: Batch, measured_peak_bytes: float, lower_bound: bool = False) -> bool:
         """Calibrate ``scale`` from the measured activation peak of a part; True if used.
 
-        ``measured_peak_bytes`` is the step's peak allocated device memory minus what was
-        allocated before it (activations only, like the estimate).
+        ``measured_peak_bytes`` is the part's peak allocated device memory minus what was
+        allocated before it (activations only, like the estimate). With ``lower_bound`` (a part
+        that ran out of memory before its peak) it can only raise the scale.
         """
         if not math.isfinite(measured_peak_bytes) or measured_peak_bytes < 0:
             raise ValueError(f"measured_peak_bytes must be finite and >= 0, got {measured_peak_bytes!r}")
-        parts = breakdown(self._features(x), self.coef)
-        workspace = parts.pop("workspace")
-        rest = sum(parts.values())
+        f = self.features_for(x)
+        parts = breakdown(f, self.coef)
+        workspace = parts["workspace"]
+        rest = activation_bytes(parts, f.checkpointing)
         if workspace + rest < self.noise_floor_bytes or rest <= 0:
             self.counters["ignored"] += 1
             return False
         ratio = max(0.0, measured_peak_bytes - workspace) / rest
         self.counters["observed"] += 1
+        if lower_bound:
+            if ratio > self.scale:
+                self.scale = max(self.min_scale, ratio * (1 + self.margin))
+                self.counters["raised"] += 1
+            return True
         self.window.append(ratio)
         if ratio > self.scale:  # under-estimated: never wait, the next part could run out of memory
             self.scale = max(self.min_scale, ratio * (1 + self.margin))

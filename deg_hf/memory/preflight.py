@@ -10,7 +10,8 @@ then runs once the trainer has tokenised it.
 
 from __future__ import annotations
 
-from deg_hf.memory.planner import GIB, MemCoef, MemPlanner, lora_param_count, static_breakdown
+from deg_hf.memory.coef import GIB, MIB, MemCoef, lora_param_count, static_breakdown
+from deg_hf.memory.planner import MemPlanner
 
 #: the largest target a planner uses when none applies (CPU without mem_target_gb): everything fits
 UNLIMITED = 1 << 60
@@ -44,7 +45,10 @@ def lora_params(model_config, peft_config) -> int:
 
 def make_planner(model_config, settings, *, device, streaming: bool, trainable_params: int,
                  dtype_bytes: int, rows_per_example: int, attn_implementation: str | None,
-                 fused_lm_head: bool) -> MemPlanner:
+                 fused_lm_head: bool, checkpointing: bool | None = None) -> MemPlanner:
+    """The planner a trainer plans with. ``checkpointing`` (None: on when streaming) says whether
+    decoder layers keep only their inputs for the backward (streaming always; resident with
+    ``gradient_checkpointing``)."""
     static = sum(static_breakdown(
         model_config, streaming=streaming, stream_buffers=settings.stream_buffers,
         lora_params=trainable_params, dtype_bytes=dtype_bytes,
@@ -57,8 +61,12 @@ def make_planner(model_config, settings, *, device, streaming: bool, trainable_p
         model_config=model_config,
         min_rows=rows_per_example,
         streaming=streaming,
-        checkpointing=True if streaming else False,
+        checkpointing=streaming if checkpointing is None else checkpointing,
         fused_lm_head=fused_lm_head,
+        # TRL's fused head scores only labelled positions where Triton runs, every position elsewhere
+        lm_head_compact=getattr(device, "type", str(device)) == "cuda",
+        # the CPU meter counts tensor bytes exactly: even a small part's peak calibrates
+        noise_floor_bytes=256 * MIB if getattr(device, "type", str(device)) == "cuda" else 0,
         dtype_bytes=dtype_bytes,
         attn_implementation=attn_implementation or "sdpa",
     )

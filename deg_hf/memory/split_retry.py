@@ -3,14 +3,17 @@
 :class:`SplitRetryEngine` is what the mixin's ``training_step`` calls. For one micro-batch it
 
 1. asks the planner for contiguous parts of examples that fit the memory target;
-2. runs each part through the trainer's own ``training_step`` with a loss weight chosen so that
+2. runs each part, inside the trainer's :class:`~deg_hf.memory.meter.DeviceMemory` (measured on
+   CUDA and CPU alike when measuring is on, held to the target on CPU), through the trainer's own ``training_step`` with a loss weight chosen so that
    the parts' gradients add up to the unsplit micro-batch's gradient: a loss normalised by the
    accumulation window's label count (``num_items_in_batch``) needs no weight; a loss that is a
    mean over the micro-batch's examples (DPO, KTO, ORPO, SimPO) or tokens (SFT without
    ``num_items_in_batch``) is weighted by the part's share of them;
-3. on an out-of-memory error anywhere in a part's forward or backward, puts back the gradients
+3. hands each measured peak to the planner (:meth:`~deg_hf.memory.planner.MemPlanner.observe`), so
+   the next plan is calibrated by what the last parts really held;
+4. on an out-of-memory error anywhere in a part's forward or backward, puts back the gradients
    as they were before the part, halves the part and retries;
-4. skips a single example that still runs out of memory, and then makes the step exactly what it
+5. skips a single example that still runs out of memory, and then makes the step exactly what it
    would have been had the example never been in the batch: the micro-batch is run again without
    it and, when the loss is normalised over the whole accumulation window, the window's earlier
    micro-batches are replayed with the corrected label count.
@@ -123,6 +126,10 @@ class SplitRetryEngine:
         self.window: _Window | None = None
         self.all_skipped_steps = 0
         self.last_estimate = 0
+        self.peak_bytes: int | None = None  # the most device memory a part held since take_peak()
+        self._examples: dict = {}  # example position -> planner Example, for the micro-batch running
+        self.samples: list | None = None  # measured parts, when calibration records them
+        self.sample_tags: dict = {}
         self._step_retries: dict[int, int] = {}  # optimizer step -> retries (bounded by oom_max_splits)
 
     # ------------------------------------------------------------------ trainer hooks
@@ -192,14 +199,16 @@ class SplitRetryEngine:
         token_mode = self._token_normalised(num_items)
         total_units = None if token_mode else self._units(inputs, active)
         uids = trainer._deg_uids(w.batches[m], b)
+        self._examples = self._planner_examples(inputs, active, w.batches[m].get("deg_lengths"))
         queue = [list(p) for p in self._plan(inputs, active, w.batches[m].get("deg_lengths"))]
         data_parallel = self._world_size() > 1
         if data_parallel:
             queue = self._agree_on_parts(queue)
         whole = mb.select(inputs, active, stacked) if active != list(range(b)) else inputs
+        in_whole = {i: k for k, i in enumerate(active)}
         prepared = False  # batch-level terms (KTO's KL) computed over the whole micro-batch
         if len(queue) > 1:
-            trainer._deg_before_parts(model, whole)
+            trainer._deg_before_parts(model, whole, [[in_whole[i] for i in p] for p in queue])
             prepared = True
         loss_total = None
         try:
@@ -218,7 +227,7 @@ class SplitRetryEngine:
                 sync = contextlib.nullcontext() if not (data_parallel and queue) else trainer.accelerator.no_sync(model)
                 try:
                     with sync:
-                        loss = run_part(part, num_items, weight, info)
+                        loss = self._measured(run_part, idx, part, num_items, weight, info)
                 except Exception as exc:
                     if not is_oom(exc) or not trainer.deg_stream.oom_retry:
                         raise
@@ -239,12 +248,12 @@ class SplitRetryEngine:
                         self.counters.parts += 1
                         loss_total = loss if loss_total is None else loss_total + loss
                         continue
-                    self._count_retry(exc)
-                    if not prepared:
-                        trainer._deg_before_parts(model, whole)
-                        prepared = True
+                    self.count_retry(exc)
                     half = len(idx) // 2
                     queue[:0] = [idx[:half], idx[half:]]
+                    if not prepared:
+                        trainer._deg_before_parts(model, whole, [[in_whole[i] for i in p] for p in queue])
+                        prepared = True
                     continue
                 self.counters.parts += 1
                 loss_total = loss if loss_total is None else loss_total + loss
@@ -261,8 +270,9 @@ class SplitRetryEngine:
             return None
         before = self._grads()
         try:
-            with sharing.use_mode("trunk_forks"):
+            with sharing.use_mode("trunk_forks"), self.trainer.deg_memory.part() as reading:
                 loss = run_part(part, num_items, weight, info)
+            self._note_peak(reading)
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -271,6 +281,53 @@ class SplitRetryEngine:
             return None
         self.counters.trunk_forks += 1
         return loss
+
+    # ------------------------------------------------------------------ memory
+    def _measured(self, run_part, idx, part, num_items, weight, info):
+        """``run_part`` inside the trainer's device memory; its peak calibrates the planner."""
+        memory = self.trainer.deg_memory
+        no_grad = [p for p in self._params() if p.grad is None] if memory.measures else []
+        try:
+            with memory.part() as reading:
+                loss = run_part(part, num_items, weight, info)
+        except Exception as exc:
+            if is_oom(exc):
+                # what the part held when it failed is a lower bound on its peak: it can only raise the scale
+                self._observe(idx, memory.last, 0, lower_bound=True)
+            raise
+        # the first part of a window allocates the adapters' gradients, which the planner counts
+        # as static memory, not as the part's
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in no_grad if p.grad is not None)
+        self._observe(idx, reading, grads)
+        return loss
+
+    def _observe(self, idx, reading, grad_bytes: int, lower_bound: bool = False) -> None:
+        if reading is None or not self.trainer.deg_memory.measures:
+            return
+        if not lower_bound:
+            self._note_peak(reading)
+        planner = self.trainer.deg_planner
+        examples = [self._examples[i] for i in idx if i in self._examples]
+        if planner is None or len(examples) != len(idx) or not examples:
+            return
+        peak = max(0, reading.peak_bytes - grad_bytes)
+        if self.samples is not None and not lower_bound:
+            from deg_hf.memory.calibrate import Sample
+
+            self.samples.append(Sample(planner.features_for(examples), peak, planner.estimate(examples),
+                                       dict(self.sample_tags)))
+        planner.observe_static(reading.start_bytes)
+        planner.observe(examples, peak, lower_bound=lower_bound)
+
+    def _note_peak(self, reading) -> None:
+        if self.trainer.deg_memory.measures:
+            total = reading.start_bytes + reading.peak_bytes
+            self.peak_bytes = total if self.peak_bytes is None else max(self.peak_bytes, total)
+
+    def take_peak(self) -> int | None:
+        """The most device memory any part held since the last call (None when not measured)."""
+        peak, self.peak_bytes = self.peak_bytes, None
+        return peak
 
     # ------------------------------------------------------------------ helpers
     def _world_size(self) -> int:
@@ -298,21 +355,32 @@ class SplitRetryEngine:
             queue[i:i + 1] = [queue[i][:half], queue[i][half:]]
         return queue
 
-    def _plan(self, inputs, active, lengths=None) -> list[list[int]]:
-        planner = self.trainer.deg_planner
-        if planner is None or not self.trainer.deg_stream.mem_plan:
-            return [active]
+    def _planner_examples(self, inputs, active, lengths=None) -> dict:
+        """Position -> the planner's :class:`~deg_hf.memory.planner.Example` of each active example
+        (empty without a planner)."""
+        if self.trainer.deg_planner is None:
+            return {}
         from deg_hf.memory.planner import Example
 
         if lengths is None:
             lengths = mb.row_lengths(inputs, self.trainer.deg_stacked_pairs)
         shared = self.trainer._deg_shared_prompt_lens(inputs)
         if shared is not None:
-            # packed: one row of prompt + chosen + rejected per pair (P + C + R, not 2P + C + R)
-            examples = [Example(i, (sum(lengths[i]) - shared[i],), prompt_len=shared[i] or None) for i in active]
-        else:
-            examples = [Example(i, lengths[i]) for i in active]
-        parts = planner.plan(examples)
+            # packed: one row of prompt + chosen + rejected per pair (P + C + R, not 2P + C + R); the
+            # LM head still scores the two rows
+            return {i: Example(i, (sum(lengths[i]) - shared[i],), prompt_len=shared[i] or None, lm_lengths=lengths[i])
+                    for i in active}
+        # KL rows (KTO, listed last) run without gradients, before the part or at its start, and keep
+        # nothing for the backward: the part's peak is its own rows'
+        kl = self.trainer.deg_kl_rows_per_example
+        return {i: Example(i, lengths[i][:-kl] if kl and len(lengths[i]) > kl else lengths[i]) for i in active}
+
+    def _plan(self, inputs, active, lengths=None) -> list[list[int]]:
+        planner = self.trainer.deg_planner
+        if planner is None or not self.trainer.deg_stream.mem_plan:
+            return [active]
+        examples = self._examples or self._planner_examples(inputs, active, lengths)
+        parts = planner.plan([examples[i] for i in active])
         self.last_estimate = max((p.estimate for p in parts), default=0)
         return [list(p.indices) for p in parts]
 
@@ -343,7 +411,7 @@ class SplitRetryEngine:
             return None
         return trainer._get_num_items_in_batch(kept, trainer.args.device)
 
-    def _count_retry(self, exc) -> None:
+    def count_retry(self, exc) -> None:
         self.counters.oom_retry += 1
         step = self.trainer.state.global_step
         self._step_retries[step] = self._step_retries.get(step, 0) + 1

@@ -21,6 +21,7 @@ class StreamedDPOTrainer(StreamingSetupMixin, DPOTrainer):
     """
 
     deg_task = "dpo"
+    deg_fused_lm_head = True
     deg_rows_per_example = 2
     deg_stacked_pairs = True
     deg_loss_unit = "examples"

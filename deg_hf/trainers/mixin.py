@@ -53,6 +53,8 @@ class StreamingSetupMixin:
     deg_loss_unit: str = "tokens"
     #: paired losses whose chosen and rejected rows share a prompt (deg_hf.prefix)
     deg_prefix_capable: bool = False
+    #: the upstream trainer scores tokens with TRL's fused, tiled LM head (``add_fused_lm_head``)
+    deg_fused_lm_head: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -276,7 +278,8 @@ class StreamingSetupMixin:
             config.to_dict(), settings, device=args.device, streaming=settings.stream_layers,
             trainable_params=lora_params(config.to_dict(), peft_config), dtype_bytes=dtype_bytes,
             rows_per_example=self.deg_rows_per_example, attn_implementation=None,
-            fused_lm_head=self.deg_task in ("dpo", "kto"),
+            fused_lm_head=self.deg_fused_lm_head,
+            checkpointing=settings.stream_layers or bool(getattr(args, "gradient_checkpointing", False)),
         )
         return preflight(
             type(self).__name__, planner, rows_per_example=self.deg_rows_per_example,
@@ -288,12 +291,15 @@ class StreamingSetupMixin:
     def _deg_setup_memory(self, settings) -> None:
         from deg_hf.memory.callback import MemoryPlanCallback
         from deg_hf.memory.collator import MemoryPlanningCollator
-        from deg_hf.memory.preflight import make_planner
+        from deg_hf.memory.meter import DeviceMemory
+        from deg_hf.memory.preflight import make_planner, target_bytes
         from deg_hf.memory.split_retry import SplitRetryEngine
 
         self.deg_engine = SplitRetryEngine(self)
         self.deg_fault_hook = None
-        self.deg_memory_simulator = None
+        # on CPU, a target is enforced by the tensor meter; on CUDA the device enforces its own size
+        self.deg_memory = DeviceMemory(self.args.device, target_bytes(settings, self.args.device),
+                                       resident=self._deg_resident_tensors)
         self._deg_part_weight = 1.0
         self._deg_part_info = None
         self.deg_planner = None
@@ -307,7 +313,8 @@ class StreamingSetupMixin:
                 dtype_bytes=dtype.itemsize if dtype is not None else 4,
                 rows_per_example=self.deg_rows_per_example,
                 attn_implementation=getattr(base.config, "_attn_implementation", None),
-                fused_lm_head=self.deg_task in ("dpo", "kto"),
+                fused_lm_head=self.deg_fused_lm_head,
+                checkpointing=self.stream_runtime is not None or bool(getattr(self.args, "gradient_checkpointing", False)),
             )
         if self.data_collator is not None and not isinstance(self.data_collator, MemoryPlanningCollator):
             self.data_collator = MemoryPlanningCollator(self.data_collator, stacked_pairs=self.deg_stacked_pairs)
@@ -385,13 +392,32 @@ class StreamingSetupMixin:
         (e.g. ``torch.OutOfMemoryError``) to exercise split-and-retry; ``None`` removes it."""
         self.deg_fault_hook = hook
 
-    def simulate_device_memory(self, budget_bytes: int | None):
-        """Raise ``torch.OutOfMemoryError`` when a part's saved activations exceed ``budget_bytes``
-        (a CPU stand-in for a device running out of memory); ``None`` turns it off."""
-        from deg_hf.memory.simulate import SimulatedDeviceMemory
+    def measure_device_memory(self):
+        """Measure every part's device memory on CPU with the tensor meter even without a target
+        (it is on whenever ``mem_target_gb`` is set; CUDA always measures), so measured peaks
+        calibrate the planner and reach the logs. Returns the trainer's
+        :class:`~deg_hf.memory.meter.DeviceMemory`."""
+        from deg_hf.memory.meter import DeviceMemory
 
-        self.deg_memory_simulator = None if budget_bytes is None else SimulatedDeviceMemory(budget_bytes)
-        return self.deg_memory_simulator
+        memory = self.deg_memory
+        if not memory.measures:
+            self.deg_memory = DeviceMemory(memory.device, memory.target_bytes, resident=memory.resident, measure=True)
+        return self.deg_memory
+
+    def _deg_resident_tensors(self):
+        """The tensors this trainer keeps on the device between parts: parameters and buffers (not
+        the streamed ``meta`` ones), gradients, optimizer state and the streaming buffers."""
+        import torch
+
+        for p in self.model.parameters():
+            yield p
+            yield p.grad
+        yield from self.model.buffers()
+        optimizer = getattr(self, "optimizer", None)
+        for state in getattr(optimizer, "state", {}).values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        if self.stream_runtime is not None:
+            yield from self.stream_runtime.buffers
 
     def get_batch_samples(self, *args, **kwargs):
         batch_samples, num_items = super().get_batch_samples(*args, **kwargs)
@@ -405,30 +431,14 @@ class StreamingSetupMixin:
         return self.deg_engine.training_step(model, inputs, num_items_in_batch, run_part)
 
     def _deg_run_part(self, model, part, num_items, weight, info):
-        import contextlib
-
-        import torch
-
+        # the engine runs this inside the trainer's device memory (deg_hf.memory.meter), measured
         self._deg_part_weight, self._deg_part_info = weight, info
-        simulator = self.deg_memory_simulator
-        measure = torch.cuda.is_available() and self.args.device.type == "cuda"
-        if measure:
-            torch.cuda.reset_peak_memory_stats(self.args.device)
-            before = torch.cuda.memory_allocated(self.args.device)
         try:
-            with simulator.part(info) if simulator is not None else contextlib.nullcontext():
-                loss = super().training_step(model, part, num_items)
+            loss = super().training_step(model, part, num_items)
             if self.deg_fault_hook is not None:
                 self.deg_fault_hook(info, "backward")
         finally:
             self._deg_part_weight, self._deg_part_info = 1.0, None
-        if measure and self.deg_planner is not None:
-            from deg_hf.memory import batch as mb
-            from deg_hf.memory.planner import Example
-
-            peak = torch.cuda.max_memory_allocated(self.args.device) - before
-            lengths = mb.row_lengths(part, self.deg_stacked_pairs)
-            self.deg_planner.observe([Example(i, n) for i, n in enumerate(lengths)], peak)
         return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -457,8 +467,9 @@ class StreamingSetupMixin:
             return [u if u is not None else i for i, u in enumerate(uids)]
         return list(range(n))
 
-    def _deg_before_parts(self, model, inputs) -> None:
-        """Called before a micro-batch runs in several parts (KTO computes its batch-level KL here)."""
+    def _deg_before_parts(self, model, inputs, parts) -> None:
+        """Called before a micro-batch runs in several parts (``parts``: example positions in
+        ``inputs``, each a part that fits); KTO computes its batch-level KL here, part by part."""
 
     def _deg_after_parts(self) -> None:
         """Called after the parts of a micro-batch ran (or failed)."""
@@ -468,11 +479,8 @@ class StreamingSetupMixin:
         return part
 
     def _deg_measured_peak(self):
-        import torch
-
-        if torch.cuda.is_available() and self.args.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.args.device)
-        return None
+        """The most device memory a part held since the last call (None when not measured)."""
+        return self.deg_engine.take_peak()
 
     def log(self, logs, *args, **kwargs):
         engine = getattr(self, "deg_engine", None)

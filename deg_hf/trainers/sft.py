@@ -15,4 +15,5 @@ class StreamedSFTTrainer(StreamingSetupMixin, SFTTrainer):
     """
 
     deg_task = "sft"
+    deg_fused_lm_head = True
     deg_config_class = "StreamedSFTConfig"
