@@ -37,6 +37,7 @@ __all__ = [
     "READABLE_FORMAT_VERSIONS",
     "TASKS",
     "ADAPTER_WEIGHT_FILES",
+    "FULL_MODEL_WEIGHT_FILES",
     "DegJsonError",
     "make_record",
     "jsonable",
@@ -57,6 +58,8 @@ DEG_JSON = "deg.json"
 READABLE_FORMAT_VERSIONS = (1,)
 TASKS = ("sft", "dpo", "kto", "orpo", "simpo")
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+#: what a full fine-tune's checkpoint holds instead (one file, or a sharded index)
+FULL_MODEL_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 REDACTED = "<redacted>"
 LOCAL_PREFIX = "<local>/"
 
@@ -320,7 +323,8 @@ def make_record(
     """Build the ``deg.json`` content (JSON-native, redacted, not yet validated or written).
 
     ``base_model`` needs ``name_or_path`` and may give ``revision`` (the commit, when known) and
-    ``config_sha256`` (see :func:`config_sha256`). ``peft`` is a PEFT config or its ``to_dict()``.
+    ``config_sha256`` (see :func:`config_sha256`). ``peft`` is a PEFT config or its ``to_dict()``, or
+    None for a full fine-tune (every base weight trained).
     ``train_args`` is a dict or a ``TrainingArguments``-like dataclass: every argument is kept,
     values that are not JSON-native become ``str(value)``. ``versions`` entries override the
     collected ones.
@@ -344,7 +348,8 @@ def make_record(
         "deg_hf_version": __version__,
         "task": task_name,
         "base_model": base_entry,
-        "peft": _peft_summary(peft, default_lora_applied),
+        "fine_tuning": "full" if peft is None else "adapter",
+        "peft": None if peft is None else _peft_summary(peft, default_lora_applied),
         "train_args": _as_dict(train_args, "train_args"),
         "stream": None if stream is None else _as_dict(stream, "stream"),
         "memory": None if memory is None else _as_dict(memory, "memory"),
@@ -542,11 +547,20 @@ def read_deg_json(path_or_dir: str | os.PathLike) -> dict:
     return record
 
 
-def check_checkpoint(directory: str | os.PathLike) -> Path:
-    """Raise :class:`DegJsonError` unless ``directory`` holds adapter weights; returns the weights file."""
+def check_checkpoint(directory: str | os.PathLike, *, full: bool = False) -> Path:
+    """Raise :class:`DegJsonError` unless ``directory`` holds adapter weights (with ``full=True``, a
+    full fine-tune's model weights); returns the weights file."""
     directory = Path(directory)
     if not directory.is_dir():
         raise DegJsonError(f"{directory} is not a directory: give the checkpoint directory")
+    if full:
+        for name in FULL_MODEL_WEIGHT_FILES:
+            if (directory / name).is_file() and (directory / "config.json").is_file():
+                return directory / name
+        raise DegJsonError(
+            f"{directory} is recorded as a full fine-tune but has no model weights and config.json "
+            f"({' or '.join(FULL_MODEL_WEIGHT_FILES)}); found: {_listing(directory)}"
+        )
     for name in ADAPTER_WEIGHT_FILES:
         if (directory / name).is_file():
             return directory / name
@@ -675,17 +689,20 @@ def summarize(record: Mapping[str, Any]) -> str:
         base_text += f" (config sha256 {str(base['config_sha256'])[:12]})"
     add("base model", base_text)
 
-    peft = record.get("peft") or {}
-    targets = peft.get("target_modules")
-    if isinstance(targets, list):
-        targets = ", ".join(targets)
-    adapter = (
-        f"{peft.get('type', 'LORA')} r={peft.get('r')} alpha={_fmt_number(peft.get('lora_alpha'))} "
-        f"dropout={_fmt_number(peft.get('lora_dropout'))} targets={targets}"
-    )
-    if peft.get("default_lora_applied"):
-        adapter += " (deg_hf default LoRA)"
-    add("adapter", adapter)
+    peft = record.get("peft")
+    if peft is None:
+        add("adapter", "none: a full fine-tune (every weight of the base trained)")
+    else:
+        targets = peft.get("target_modules")
+        if isinstance(targets, list):
+            targets = ", ".join(targets)
+        adapter = (
+            f"{peft.get('type', 'LORA')} r={peft.get('r')} alpha={_fmt_number(peft.get('lora_alpha'))} "
+            f"dropout={_fmt_number(peft.get('lora_dropout'))} targets={targets}"
+        )
+        if peft.get("default_lora_applied"):
+            adapter += " (deg_hf's default LoRA: no peft_config was given, and a streamed base stays frozen)"
+        add("adapter", adapter)
 
     data = record.get("data")
     if data:
@@ -748,7 +765,8 @@ def summarize(record: Mapping[str, Any]) -> str:
 # loading a checkpoint
 # ----------------------------------------------------------------------------------------------------
 
-_DOWNLOAD_PATTERNS = [*ADAPTER_WEIGHT_FILES, "adapter_config.json", DEG_JSON, "README.md", *TOKENIZER_FILES]
+_DOWNLOAD_PATTERNS = [*ADAPTER_WEIGHT_FILES, "adapter_config.json", DEG_JSON, "README.md", *TOKENIZER_FILES,
+                      *FULL_MODEL_WEIGHT_FILES, "model-*.safetensors", "config.json", "generation_config.json"]
 
 
 def looks_like_repo_id(text: str) -> bool:
@@ -922,6 +940,23 @@ def _load_adapter_streamed(base, checkpoint: Path, device: Any):
     return model
 
 
+def _load_full(checkpoint: Path, streamed: bool | None, device: Any):
+    """A full fine-tune's checkpoint is a whole model: load it as it is (streamed on request)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_checkpoint(checkpoint, full=True)
+    if streamed:
+        from deg_hf.streaming.build import build_streamed_model
+
+        model, _ = build_streamed_model(str(checkpoint), device=device, progress=False)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+        if device is not None:
+            model = model.to(device)
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(str(checkpoint))
+
+
 def load(
     path_or_repo_id: str | os.PathLike,
     streamed: bool | None = None,
@@ -934,7 +969,8 @@ def load(
 ):
     """Load a deg_hf checkpoint (local directory or Hub repo id): returns ``(model, tokenizer)``.
 
-    The base model named in ``deg.json`` is loaded and the adapter applied with ``peft``:
+    The base model named in ``deg.json`` is loaded and the adapter applied with ``peft`` (a full
+    fine-tune's checkpoint, ``"peft": null``, is the whole model and is loaded as it is):
 
     * ``streamed=False``: resident, with ``AutoModelForCausalLM`` (on ``device`` when given, else
       where ``from_pretrained`` puts it).
@@ -952,6 +988,8 @@ def load(
     """
     checkpoint = _resolve_checkpoint(path_or_repo_id, revision, token)
     record = read_deg_json(checkpoint)
+    if record.get("peft", {}) is None:
+        return _load_full(checkpoint, streamed, device)
     check_checkpoint(checkpoint)
     base_name, base_is_local = _resolve_base(record, checkpoint, base_model)
     base_revision = None if base_is_local else record["base_model"].get("revision")

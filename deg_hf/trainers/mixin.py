@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import warnings
 
 from deg_hf.config import ROLLOUT_REFUSAL, stream_settings
 
@@ -53,6 +52,8 @@ class StreamingSetupMixin:
     deg_loss_unit: str = "tokens"
     #: paired losses whose chosen and rejected rows share a prompt (deg_hf.prefix)
     deg_prefix_capable: bool = False
+    #: the upstream constructor loads a Hub id or a path itself (TRL's trainers; not transformers.Trainer)
+    deg_upstream_loads_ids: bool = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -77,24 +78,31 @@ class StreamingSetupMixin:
             config = params["args"] = self._deg_default_args(model)
         self._deg_check_batch(config)
         peft_config = params.pop("peft_config", None)
-        if params.get("ref_model") is not None and settings.stream_layers:
-            raise ValueError(
-                "ref_model cannot be passed with stream_layers=True: the reference is the same streamed "
-                "base with the adapter disabled, so no second model is ever loaded. Drop ref_model "
-                "(or set stream_layers=False to train resident with an explicit reference)."
-            )
+        ref_model = params.get("ref_model")
+        if settings.stream_layers and ref_model is not None and ref_model is model:
+            # the upstream trainer refuses the same object as model and ref_model with its own message
+            upstream(**params, **({"peft_config": peft_config} if peft_config is not None else {}))
+            raise ValueError("model and ref_model are the same object: omit ref_model.")
         if settings.stream_layers:
             _refuse_base_reading_peft(peft_config)
             _refuse_sharded_engines(config)
         self.deg_preflight = self._deg_preflight(model, config, settings, peft_config)
         model = self._deg_build_model(model, config, settings)
         try:
-            if not _is_peft_model(model):
-                peft_config = self._deg_peft_config(peft_config)
+            if self.stream_runtime is not None and ref_model is not None:
+                self._deg_release_ref_model(ref_model, model)
+                params["ref_model"] = None
+            if peft_config is None and settings.stream_layers and not _is_peft_model(model):
+                peft_config = self._deg_default_peft_config()
+            if peft_config is not None:
                 if "peft_config" in inspect.signature(upstream).parameters:
                     # TRL applies it: its preference trainers then take the reference from the
                     # same model with the adapter disabled
                     params["peft_config"] = peft_config
+                elif _is_peft_model(model):
+                    raise ValueError(
+                        "the model is already a PeftModel and a peft_config was passed too: pass one of them."
+                    )
                 else:
                     from peft import get_peft_model
 
@@ -136,19 +144,21 @@ class StreamingSetupMixin:
         if model is None:
             raise ValueError(f"{type(self).__name__} needs a model: a Hub id, a local path or a loaded model.")
         init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+        if not settings.stream_layers:
+            if isinstance(model, str) and not self.deg_upstream_loads_ids:
+                from transformers import AutoModelForCausalLM
+
+                return AutoModelForCausalLM.from_pretrained(model, **_resident_kwargs(init_kwargs))
+            return model  # resident is upstream: it loads an id itself and takes a loaded model as given
         if isinstance(model, PeftModel):
-            if settings.stream_layers:
-                raise ValueError(
-                    "a PeftModel cannot be streamed as passed: its base weights are already loaded. "
-                    "Save the adapter (model.save_pretrained(dir)), then pass the base model id as "
-                    "`model` and `peft_config=PeftConfig.from_pretrained(dir)`, or load a deg_hf "
-                    "checkpoint with deg_hf.load(). Pass stream_layers=False to train it resident."
-                )
-            return model
+            raise ValueError(
+                "a PeftModel cannot be streamed as passed: its base weights are already loaded. "
+                "Save the adapter (model.save_pretrained(dir)), then pass the base model id as "
+                "`model` and `peft_config=PeftConfig.from_pretrained(dir)`, or load a deg_hf "
+                "checkpoint with deg_hf.load(). Pass stream_layers=False to train it resident."
+            )
         if isinstance(model, PreTrainedModel):
             _refuse_dispatched_or_quantized(model)
-            if not settings.stream_layers:
-                return model
             source = getattr(model, "name_or_path", None)
             if not source:
                 raise ValueError(
@@ -159,10 +169,6 @@ class StreamingSetupMixin:
             model = source
         if not isinstance(model, str):
             raise TypeError(f"model must be a Hub id, a path or a PreTrainedModel, got {type(model).__name__}")
-        if not settings.stream_layers:
-            from transformers import AutoModelForCausalLM
-
-            return AutoModelForCausalLM.from_pretrained(model, **_resident_kwargs(init_kwargs))
         from deg_hf.streaming.build import build_streamed_model
 
         dtype = _dtype_of(args, init_kwargs)
@@ -179,19 +185,30 @@ class StreamingSetupMixin:
         self.stream_runtime = runtime
         return streamed
 
-    def _deg_peft_config(self, peft_config):
+    def _deg_release_ref_model(self, ref_model, model) -> None:
+        """Streamed: accept an explicit ref_model that is the policy's base and free it (the reference
+        stays the streamed base with the adapter disabled); refuse one that differs."""
+        from deg_hf.trainers.reference import release_if_base
+
+        note = release_if_base(ref_model, model)
+        self.deg_notes.append(note)
+        logger.warning(note)
+
+    def _deg_default_peft_config(self):
+        """The LoRA adapter a streamed run trains when no peft_config is given (streaming keeps the
+        base frozen in host memory), announced once in the log and recorded in deg.json."""
         from peft import LoraConfig
 
-        if peft_config is None:
-            peft_config = LoraConfig(task_type="CAUSAL_LM", **DEFAULT_LORA)
-            self.deg_default_lora = True
-            note = (
-                "no peft_config given: training the default LoRA adapter "
-                f"(r={DEFAULT_LORA['r']}, alpha={DEFAULT_LORA['lora_alpha']}, all linear projections)"
-            )
-            self.deg_notes.append(note)
-            warnings.warn(note, stacklevel=4)
-        return peft_config
+        self.deg_default_lora = True
+        note = (
+            "no peft_config given: training deg_hf's default LoRA adapter "
+            f"(r={DEFAULT_LORA['r']}, alpha={DEFAULT_LORA['lora_alpha']}, all linear projections), because a "
+            "streamed base stays frozen. Pass peft_config to choose the adapter, or stream_layers=False "
+            "to fine-tune every weight as the upstream trainer does."
+        )
+        self.deg_notes.append(note)
+        logger.warning(note)
+        return LoraConfig(task_type="CAUSAL_LM", **DEFAULT_LORA)
 
     # ------------------------------------------------------------------ memory planning
     def _deg_model_config(self, model):
@@ -232,7 +249,10 @@ class StreamingSetupMixin:
         dtype_bytes = dtype.itemsize if dtype is not None else 4
         planner = make_planner(
             config.to_dict(), settings, device=args.device, streaming=settings.stream_layers,
-            trainable_params=lora_params(config.to_dict(), peft_config), dtype_bytes=dtype_bytes,
+            trainable_params=(lora_params(config.to_dict(), peft_config)
+                              if peft_config is not None or settings.stream_layers or _is_peft_model(model)
+                              else _all_params(config.to_dict())),
+            dtype_bytes=dtype_bytes,
             rows_per_example=self.deg_rows_per_example, attn_implementation=None,
             fused_lm_head=self.deg_task in ("dpo", "kto"),
         )
@@ -255,7 +275,7 @@ class StreamingSetupMixin:
         self._deg_part_info = None
         self.deg_planner = None
         if settings.mem_plan:
-            base = self.model.base_model.model if hasattr(self.model, "base_model") else self.model
+            base = self.model.get_base_model() if _is_peft_model(self.model) else self.model
             trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), None)
             self.deg_planner = make_planner(
@@ -542,6 +562,14 @@ def _refuse_base_reading_peft(peft_config) -> None:
             "weights, which are not in memory under layer streaming. Use init_lora_weights=True or "
             "'gaussian', or stream_layers=False."
         )
+
+
+def _all_params(model_config) -> int:
+    """Every weight of the model (a full fine-tune trains them all), from its config."""
+    from deg_hf.memory.planner import layer_param_count, model_dims
+
+    d = model_dims(model_config)
+    return d.layers * layer_param_count(model_config) + d.vocab * d.hidden * (1 if d.tie_word_embeddings else 2) + d.hidden
 
 
 def _dtype_of(args, init_kwargs):
