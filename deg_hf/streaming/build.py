@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from deg_hf.streaming.layer import attach, store_name
+from deg_hf.streaming.quant import QuantSpec, bnb_config_dict, method_of
 from deg_hf.streaming.runtime import StreamRuntime
 from deg_hf.streaming.store import StreamingError, WeightStore, resolve_checkpoint, safetensors_files
 
@@ -70,8 +71,13 @@ def build_streamed_model(
     attn_implementation: str | None = None,
     revision: str | None = None,
     progress: bool = True,
+    quantization: QuantSpec | None = None,
 ):
-    """Return ``(model, runtime)``: a causal LM whose decoder layers stream from host memory."""
+    """Return ``(model, runtime)``: a causal LM whose decoder layers stream from host memory.
+
+    With ``quantization`` the decoder layers' Linear weights are stored 4-bit (as transformers'
+    bitsandbytes integration would quantize them); a checkpoint saved 4-bit by transformers streams
+    4-bit as it is, whatever ``quantization`` says."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -85,11 +91,9 @@ def build_streamed_model(
         device = torch.device("cpu")
     config = AutoConfig.from_pretrained(local)
     dtype = dtype or checkpoint_dtype(config) or default_dtype(device)
-    if getattr(config, "quantization_config", None):
-        raise StreamingError(
-            f"{name_or_path!r} is a pre-quantized checkpoint ({config.quantization_config.get('quant_method')}); "
-            "layer streaming needs floating-point safetensors weights. Use the unquantized base model."
-        )
+    saved_quant = check_prequantized(name_or_path, config)
+    if saved_quant:
+        del config.quantization_config  # the skeleton is an ordinary model; the store holds the 4 bits
     kwargs = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -101,7 +105,13 @@ def build_streamed_model(
     layer_keys = [
         {store_name(n): f"{prefix}.{i}.{n}" for n, _ in layer.named_parameters()} for i, layer in enumerate(layers)
     ]
-    store = WeightStore(local, layer_keys, dtype, cache_dir=cache_dir, progress=progress)
+    quantize = quantized_weight_names(model, prefix, layers, quantization) if quantization is not None else None
+    store = WeightStore(
+        local, layer_keys, dtype, quant=quantization, quantize=quantize, cache_dir=cache_dir, progress=progress,
+        quantize_device=device if device.type == "cuda" else None,
+    )
+    if saved_quant:
+        model._deg_saved_quantization = saved_quant
     runtime = StreamRuntime(store, device, stream_buffers)
     for i, layer in enumerate(layers):
         attach(layer, i, runtime)
@@ -109,6 +119,49 @@ def build_streamed_model(
     model._deg_stream_runtime = runtime
     model._deg_layers_prefix = prefix
     return model, runtime
+
+
+def check_prequantized(name_or_path: str, config) -> dict | None:
+    """The ``quantization_config`` of a checkpoint saved 4-bit by bitsandbytes (None if unquantized);
+    any other method is refused, saying what to pass instead."""
+    saved = getattr(config, "quantization_config", None)
+    if not saved:
+        return None
+    saved = bnb_config_dict(saved)
+    method = method_of(saved)
+    if method == "bitsandbytes-4bit":
+        return saved
+    reason = {
+        "bitsandbytes-8bit": "LLM.int8 weights need bitsandbytes' own 8-bit matmul with outlier handling",
+        "gptq": "GPTQ weights need GPTQ's own kernels",
+        "awq": "AWQ weights need AWQ's own kernels",
+    }.get(method, f"{method} weights need that method's own kernels")
+    raise StreamingError(
+        f"{name_or_path!r} was saved quantized with {method}: {reason}, which layer streaming does not "
+        "run. Stream the unquantized base model instead (add stream_quantization='nf4' to store it "
+        "4-bit), or a checkpoint saved 4-bit by bitsandbytes (load_in_4bit), or pass stream_layers=False."
+    )
+
+
+def quantized_weight_names(model: nn.Module, prefix: str, layers: nn.ModuleList, spec: QuantSpec) -> list[set[str]]:
+    """Per decoder layer, the local weight names transformers' bitsandbytes integration would make 4-bit:
+    the weights of exact ``nn.Linear`` modules outside its skip list (``llm_int8_skip_modules``,
+    else its defaults, plus the model's ``_keep_in_fp32_modules``)."""
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = HfQuantizer.get_modules_to_not_convert(
+        model, list(spec.skip_modules) if spec.skip_modules is not None else None,
+        getattr(model, "_keep_in_fp32_modules", None),
+    )
+    names = []
+    for i, layer in enumerate(layers):
+        chosen = set()
+        for sub, module in layer.named_modules():
+            if type(module) is nn.Linear and sub and should_convert_module(f"{prefix}.{i}.{sub}", skip):
+                chosen.add(f"{sub}.weight")
+        names.append(chosen)
+    return names
 
 
 def _load_resident(model: nn.Module, directory: str, prefix: str, device, dtype) -> None:

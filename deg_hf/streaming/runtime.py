@@ -8,6 +8,10 @@ layer of a backward is the first of the next forward).
 On CUDA the next layer in the direction of travel is prefetched on a side stream: forward passes
 walk up, backward recomputes walk down. Events order the copy after the compute that last read the
 buffer, and the compute after the copy that fills it. On CPU the copies are plain ``copy_`` calls.
+
+A 4-bit store's blocks are copied as they are (packed); each buffer then has a compute buffer beside
+it, into which the fetch dequantizes the layer's 4-bit weights on the compute stream. A buffer that
+still holds the layer's dequantized weights is reused as it is.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import weakref
 
 import torch
 
+from deg_hf.streaming.quant import SEP, dequantize_into
 from deg_hf.streaming.store import WeightStore
 
 
@@ -36,14 +41,19 @@ class StreamRuntime:
         self.buffers = [
             torch.empty(store.max_layer_bytes, dtype=torch.uint8, device=self.device) for _ in range(n_buffers)
         ]
+        self.compute = [
+            torch.empty(store.max_compute_bytes, dtype=torch.uint8, device=self.device)
+            for _ in range(n_buffers if store.quantized else 0)
+        ]
         self._holds: list[int | None] = [None] * n_buffers  # layer index each buffer holds
+        self._dequantized: list[int | None] = [None] * n_buffers  # layer whose weights each compute buffer holds
         self._ready: list = [None] * n_buffers  # CUDA event: copy into buffer finished
         self._released: list = [None] * n_buffers  # CUDA event: compute done with buffer's last layer
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._last: int | None = None
         self.closed = False
         self.reset_stats()
-        self._finalizer = weakref.finalize(self, _release, self.buffers, store)
+        self._finalizer = weakref.finalize(self, _release, self.buffers, self.compute, store)
 
     # ------------------------------------------------------------------ stats
     def reset_stats(self) -> None:
@@ -51,25 +61,42 @@ class StreamRuntime:
         self.hits = 0  # fetches served by a buffer that already held the layer
         self.bytes_moved = 0
         self.wait_s = 0.0  # CUDA: time the compute stream waited for a copy (measured, synchronising)
+        self.dequantized = 0  # layers dequantized into a compute buffer
+        self._dequant_s = 0.0
+        self._dequant_events: list = []  # CUDA: (start, end) event pairs, summed by stats()
         self._in_flight_peak = 0
 
     def stats(self) -> dict:
         buffer_bytes = sum(b.numel() for b in self.buffers)
+        compute_bytes = sum(b.numel() for b in self.compute)
         return {
             "n_layers": self.n_layers,
             "n_buffers": self.n_buffers,
             "store_bytes": self.store.nbytes if not self.closed else 0,
+            "store_unquantized_bytes": self.store.unquantized_bytes,
             "store_pinned": self.store.pinned,
+            "quantization": self.store.quantization(),
             "buffer_bytes": buffer_bytes,
+            "compute_buffer_bytes": compute_bytes,
             "loads": self.loads,
             "hits": self.hits,
             "bytes_moved": self.bytes_moved,
-            "device_bytes": buffer_bytes if not self.closed else 0,
-            "device_bytes_peak": self.n_buffers * self.store.max_layer_bytes,
+            "dequantized": self.dequantized,
+            "dequantize_s": round(self.dequantize_seconds(), 6),
+            "device_bytes": buffer_bytes + compute_bytes if not self.closed else 0,
+            "device_bytes_peak": self.n_buffers * (self.store.max_layer_bytes + self.store.max_compute_bytes),
             "in_flight_peak": self._in_flight_peak,
             "fetch_wait_s": round(self.wait_s, 6),
             "closed": self.closed,
         }
+
+    def dequantize_seconds(self) -> float:
+        """Time spent dequantizing 4-bit weights (on CUDA measured with events, read here)."""
+        if self._dequant_events:
+            torch.cuda.synchronize(self.device)
+            self._dequant_s += sum(a.elapsed_time(b) for a, b in self._dequant_events) / 1000.0
+            self._dequant_events = []
+        return self._dequant_s
 
     # ------------------------------------------------------------------ fetch
     def fetch(self, i: int) -> dict[str, torch.Tensor]:
@@ -96,7 +123,32 @@ class StreamRuntime:
             self._prefetch(self._next(i))
         self._in_flight_peak = max(self._in_flight_peak, sum(h is not None for h in self._holds))
         self._last = i
-        return self.store.layouts[i].views(self.buffers[slot])
+        layout = self.store.layouts[i]
+        views = layout.views(self.buffers[slot])
+        if not layout.quantized:
+            return views
+        computed = layout.compute.views(self.compute[slot])
+        if self._dequantized[slot] != i:
+            self._dequantize(layout, views, computed)
+            self._dequantized[slot] = i
+        weights = {n: v for n, v in views.items() if SEP not in n}
+        weights.update(computed)
+        return weights
+
+    def _dequantize(self, layout, pieces: dict, out: dict) -> None:
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        for name, meta in layout.quantized.items():
+            dequantize_into(name, meta, pieces, out[name])
+        if self._cuda:
+            end.record()
+            self._dequant_events.append((start, end))
+        else:
+            self._dequant_s += time.perf_counter() - t0
+        self.dequantized += 1
 
     def _next(self, i: int) -> int | None:
         if self.n_buffers < 2:
@@ -116,7 +168,7 @@ class StreamRuntime:
         self._copy(j, j % self.n_buffers)
 
     def _copy(self, i: int, slot: int) -> None:
-        src = self.store.flat[i]
+        src = self.store.block(i)
         dst = self.buffers[slot][: src.numel()]
         if self._cuda:
             stream = self._copy_stream
@@ -130,6 +182,7 @@ class StreamRuntime:
         else:
             dst.copy_(src)
         self._holds[slot] = i
+        self._dequantized[slot] = None
         self.loads += 1
         self.bytes_moved += src.numel()
 
@@ -143,12 +196,15 @@ class StreamRuntime:
             torch.cuda.synchronize(self.device)
         self._finalizer()
         self.buffers = []
+        self.compute = []
         self._holds = [None] * self.n_buffers
+        self._dequantized = [None] * self.n_buffers
         self._ready = [None] * self.n_buffers
         self._released = [None] * self.n_buffers
         self._copy_stream = None
 
 
-def _release(buffers: list, store: WeightStore) -> None:
+def _release(buffers: list, compute: list, store: WeightStore) -> None:
     buffers.clear()
+    compute.clear()
     store.close()

@@ -1,26 +1,39 @@
 """Host-memory store of a checkpoint's decoder-layer weights.
 
-Each decoder layer is held as ONE flat, contiguous byte tensor (pinned when CUDA is present) plus a
-layout (name -> offset, shape, dtype). A fetch to the device is then a single copy per layer, and
-the device side can carve the same views out of a flat buffer of the same size.
+Each decoder layer is held as ONE flat, contiguous byte block (pinned when CUDA is present) plus a
+layout (piece name -> offset, shape, dtype). A fetch to the device is then a single copy per layer,
+and the device side carves the same views out of a flat buffer of the same size.
 
-The store is filled once, tensor by tensor, by ``copy_`` into the preallocated flat tensors: the
+A block holds the layer's tensors at the training dtype, or, with 4-bit quantization
+(:mod:`deg_hf.streaming.quant`), its Linear weights as bitsandbytes' packed 4-bit pieces beside the
+small tensors (norms, biases) at the training dtype. Weights are quantized while the store fills,
+one tensor at a time, so a whole unquantized model never exists in host memory; a checkpoint saved
+4-bit by transformers is copied in as it is.
+
+The store is filled once, tensor by tensor, straight into the preallocated blocks: the
 ``load -> .to() -> .pin_memory()`` route makes transient copies that can push a large base over the
 host's page-locked ceiling.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from deg_hf.streaming import quant as q
+from deg_hf.streaming.sources import CheckpointSource, fingerprint, safetensors_files
+
+__all__ = [
+    "CONSTRUCTED", "LayerLayout", "StreamingError", "TensorSlot", "WeightStore", "fingerprint",
+    "resolve_checkpoint", "safetensors_files",
+]
+
 _ALIGN = 64  # bytes; keeps every view aligned for vectorised kernels and DMA
+_QUANT_CHUNK = 1 << 24  # elements quantized at once on the host: bounds the quantizer's temporaries
 
 #: every WeightStore construction increments this (tests count stores per setup)
 CONSTRUCTED = 0
@@ -41,19 +54,21 @@ class TensorSlot:
         n = 1
         for s in self.shape:
             n *= s
-        return n * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 @dataclass
 class LayerLayout:
-    """Where each tensor of one layer lives inside its flat byte buffer."""
+    """Where each piece of one layer lives inside its flat byte block.
 
-    slots: dict[str, TensorSlot]  # local name (e.g. "self_attn.q_proj.weight") -> slot
+    ``quantized`` names the 4-bit weights (each stored as the pieces of
+    :func:`deg_hf.streaming.quant.piece_entries`); ``compute`` is the layout of their dequantized
+    values in a device compute buffer (None when nothing is quantized)."""
+
+    slots: dict[str, TensorSlot]  # piece name (e.g. "self_attn.q_proj.weight") -> slot
     nbytes: int
+    quantized: dict[str, q.QuantMeta] = field(default_factory=dict)
+    compute: LayerLayout | None = None
 
     @classmethod
     def build(cls, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> LayerLayout:
@@ -66,12 +81,20 @@ class LayerLayout:
         return cls(slots, (offset + _ALIGN - 1) // _ALIGN * _ALIGN)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of ``flat`` (a uint8 tensor at least ``nbytes`` long) for every tensor."""
+        """Typed views of ``flat`` (a uint8 tensor at least ``nbytes`` long) for every piece."""
         out = {}
         for name, slot in self.slots.items():
             raw = flat[slot.offset : slot.offset + slot.nbytes]
             out[name] = raw.view(slot.dtype).view(slot.shape)
         return out
+
+    def plain_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of the tensors stored at full precision (the 4-bit pieces left out)."""
+        return {n: v for n, v in self.views(flat).items() if q.SEP not in n}
+
+    @property
+    def compute_bytes(self) -> int:
+        return self.compute.nbytes if self.compute is not None else 0
 
 
 # --------------------------------------------------------------------------- checkpoint files
@@ -109,107 +132,89 @@ def resolve_checkpoint(name_or_path: str, revision: str | None = None) -> str:
     return local
 
 
-def safetensors_files(directory: str) -> list[str]:
-    """Weight files of a checkpoint directory: the index's shard list when present, else every file."""
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as fh:
-            names = sorted(set(json.load(fh)["weight_map"].values()))
-        return [os.path.join(directory, n) for n in names]
-    return sorted(
-        os.path.join(directory, n)
-        for n in os.listdir(directory)
-        if n.endswith(".safetensors") and not n.startswith("adapter_")
-    )
-
-
-def fingerprint(directory: str) -> str:
-    """A digest of the source files' names, sizes and modification times.
-
-    Anything cached from a checkpoint is keyed by this, never by the model's name, so a retrained
-    checkpoint saved under the same name is never streamed stale.
-    """
-    digest = hashlib.sha256()
-    names = [os.path.basename(p) for p in safetensors_files(directory)]
-    for extra in ("config.json", "model.safetensors.index.json"):
-        if os.path.exists(os.path.join(directory, extra)):
-            names.append(extra)
-    for name in sorted(names):
-        st = os.stat(os.path.join(directory, name))
-        digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:16]
-
-
-def _key_index(files: list[str]) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    """checkpoint key -> (file, shape, safetensors dtype), reading headers only."""
-    from safetensors import safe_open
-
-    where = {}
-    for path in files:
-        with safe_open(path, framework="pt") as fh:
-            for key in fh.keys():
-                sl = fh.get_slice(key)
-                where[key] = (path, tuple(sl.get_shape()), sl.get_dtype())
-    return where
-
-
 # --------------------------------------------------------------------------- the store
 
 
 class WeightStore:
-    """Every decoder layer's base weights, in host memory, one flat tensor per layer.
+    """Every decoder layer's base weights, in host memory, one flat block per layer.
 
+    ``source`` is a checkpoint directory or a tensor source (:mod:`deg_hf.streaming.sources`).
     ``layer_keys[i]`` maps each local parameter name of layer ``i`` (as the module names it before
-    any adapter is injected, e.g. ``self_attn.q_proj.weight``) to its checkpoint key.
+    any adapter is injected, e.g. ``self_attn.q_proj.weight``) to its source key. ``dtype`` is the
+    training dtype. With ``quant``, the local names in ``quantize[i]`` are stored 4-bit; weights the
+    source already holds 4-bit (a pre-quantized checkpoint) are stored 4-bit whatever ``quant`` says.
     """
 
     def __init__(
         self,
-        directory: str,
+        source,
         layer_keys: list[dict[str, str]],
         dtype: torch.dtype,
         *,
+        quant: q.QuantSpec | None = None,
+        quantize: list[set[str]] | None = None,
         pin: bool | None = None,
         cache_dir: str | None = None,
         progress: bool = True,
+        quantize_device: torch.device | str | None = None,
     ):
         global CONSTRUCTED
         CONSTRUCTED += 1
-        self.directory = directory
+        if isinstance(source, (str, os.PathLike)):
+            source = CheckpointSource(os.fspath(source))
+        self.source = source
+        self.directory = getattr(source, "directory", None)
         self.dtype = dtype
-        self.fingerprint = fingerprint(directory)
+        self.quant = quant
+        self.fingerprint = source.fingerprint
         self.pinned = False
-        files = safetensors_files(directory)
-        where = _key_index(files)
-        missing = sorted(k for keys in layer_keys for k in keys.values() if k not in where)
+        self.layer_keys = layer_keys
+        missing = sorted(k for keys in layer_keys for k in keys.values() if k not in source)
         if missing:
             raise StreamingError(
-                f"the checkpoint in {directory!r} lacks {len(missing)} decoder-layer weights the model "
+                f"the checkpoint in {self.directory!r} lacks {len(missing)} decoder-layer weights the model "
                 f"expects (first: {missing[0]!r}). Its tensor names do not follow the model's module "
                 "names; re-save it with `save_pretrained` from a current transformers, or pass "
                 "stream_layers=False."
             )
-        self.layouts = [self._layout(keys, where) for keys in layer_keys]
+        quantize = quantize if quant is not None and quantize is not None else [set() for _ in layer_keys]
+        self.layouts = [self._layout(keys, names) for keys, names in zip(layer_keys, quantize)]
+        self.quantized = any(lay.quantized for lay in self.layouts)
+        if self.quantized:
+            q.require_bitsandbytes()
         want_pin = torch.cuda.is_available() if pin is None else pin
         self.flat: list[torch.Tensor] = [self._allocate(lay.nbytes, want_pin) for lay in self.layouts]
-        self.layer_keys = layer_keys
+        self._qdevice = torch.device(quantize_device) if quantize_device is not None else torch.device("cpu")
         cached = self._cache_path(cache_dir)
         if cached and os.path.isdir(cached) and self._read_cache(cached):
+            self._release_source()
             return
-        self._fill(files, progress)
+        self._fill(progress)
+        self._release_source()
         if cached:
             self._write_cache(cached)
 
     # -- construction helpers
-    def _layout(self, keys: dict[str, str], where: dict) -> LayerLayout:
-        entries = []
+    def _layout(self, keys: dict[str, str], quantize: set[str]) -> LayerLayout:
+        entries, quantized = [], {}
         for local, key in keys.items():
-            _, shape, st_dtype = where[key]
-            src_dtype = _SAFETENSORS_DTYPES.get(st_dtype, self.dtype)
-            # floating weights take the training dtype; integer tensors keep theirs
-            dtype = self.dtype if src_dtype.is_floating_point else src_dtype
-            entries.append((local, shape, dtype))
-        return LayerLayout.build(entries)
+            shape, src_dtype = self.source.meta(key)
+            if q.prequantized_state_key(self.source, key) is not None:
+                meta = q.read_prequantized_meta(self.source, key)
+            elif local in quantize:
+                meta = q.QuantMeta(tuple(shape), self.dtype, self.quant.quant_type, self.quant.blocksize,
+                                   self.quant.double)
+            else:
+                # floating weights take the training dtype; integer tensors keep theirs
+                entries.append((local, shape, self.dtype if src_dtype.is_floating_point else src_dtype))
+                continue
+            quantized[local] = meta
+            entries += q.piece_entries(local, meta)
+        layout = LayerLayout.build(entries)
+        if quantized:
+            layout.quantized = quantized
+            layout.compute = LayerLayout.build((n, m.shape, self.dtype) for n, m in quantized.items())
+        return layout
 
     def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
         if pin:
@@ -226,31 +231,58 @@ class WeightStore:
                 )
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def _fill(self, files: list[str], progress: bool) -> None:
-        from safetensors import safe_open
-
+    def _fill(self, progress: bool) -> None:
         wanted: dict[str, tuple[int, str]] = {}
         for i, keys in enumerate(self.layer_keys):
             for local, key in keys.items():
                 wanted[key] = (i, local)
-        bar = _progress(total=sum(lay.nbytes for lay in self.layouts), enabled=progress)
+        desc = "quantizing layers into host memory" if self.quantized else "loading layers into host memory"
+        bar = _progress(total=sum(lay.nbytes for lay in self.layouts), enabled=progress, desc=desc)
         views = [lay.views(flat) for lay, flat in zip(self.layouts, self.flat)]
-        for path in files:
-            with safe_open(path, framework="pt") as fh:
-                for key in fh.keys():
-                    if key not in wanted:
-                        continue
-                    i, local = wanted[key]
-                    dst = views[i][local]
-                    dst.copy_(fh.get_tensor(key))
-                    bar.update(dst.numel() * dst.element_size())
+        for key in self.source.keys():  # the source's own order: sequential reads
+            if key not in wanted:
+                continue
+            i, local = wanted[key]
+            layout = self.layouts[i]
+            meta = layout.quantized.get(local)
+            if meta is None:
+                dst = views[i][local]
+                got = self.source.read(key, out=dst)
+                if got.data_ptr() != dst.data_ptr():
+                    dst.copy_(got.view(dst.shape))
+                bar.update(dst.nbytes)
+            elif q.prequantized_state_key(self.source, key) is not None:
+                q.read_prequantized_into(self.source, key, local, meta, views[i])
+                bar.update(sum(views[i][n].nbytes for n, *_ in q.piece_entries(local, meta)))
+            else:
+                self._quantize(self.source.read(key), local, meta, views[i])
+                bar.update(sum(views[i][n].nbytes for n, *_ in q.piece_entries(local, meta)))
         bar.close()
+
+    def _quantize(self, weight: torch.Tensor, local: str, meta: q.QuantMeta, views: dict) -> None:
+        weight = weight.to(device=self._qdevice, dtype=meta.dtype)
+        if self._qdevice.type != "cpu":  # on the device: quantize whole, bring the pieces back
+            pieces = {n: torch.empty(s, dtype=d, device=self._qdevice) for n, s, d in q.piece_entries(local, meta)}
+            q.quantize_into(weight, local, meta, pieces)
+            for n, t in pieces.items():
+                views[n].copy_(t)
+        else:
+            q.quantize_chunked(weight, local, meta, views, chunk=_QUANT_CHUNK)
+
+    def _release_source(self) -> None:
+        close = getattr(self.source, "close", None)
+        if callable(close):
+            close()
 
     def _cache_path(self, cache_dir: str | None) -> str | None:
         if not cache_dir:
             return None
         dtype = str(self.dtype).replace("torch.", "")
-        return os.path.join(cache_dir, f"{self.fingerprint}-{dtype}")
+        tag = "".join(sorted({f"-{m.quant_type}-b{m.blocksize}-{'dq' if m.nested else 'sq'}"
+                              for lay in self.layouts for m in lay.quantized.values()}))
+        if self.quant is not None and self.quant.skip_modules is not None:
+            tag += "-skip" + ",".join(sorted(self.quant.skip_modules))
+        return os.path.join(cache_dir, f"{self.fingerprint}-{dtype}{tag}")
 
     def _read_cache(self, path: str) -> bool:
         for i, flat in enumerate(self.flat):
@@ -283,25 +315,48 @@ class WeightStore:
     def max_layer_bytes(self) -> int:
         return max(lay.nbytes for lay in self.layouts)
 
+    @property
+    def max_compute_bytes(self) -> int:
+        """The largest layer's dequantized 4-bit weights (0 when nothing is quantized)."""
+        return max(lay.compute_bytes for lay in self.layouts)
+
+    @property
+    def unquantized_bytes(self) -> int:
+        """What the store would hold with every weight at the training dtype."""
+        total = 0
+        for lay in self.layouts:
+            plain = sum(s.nbytes for n, s in lay.slots.items() if q.SEP not in n)
+            total += plain + lay.compute_bytes
+        return total
+
+    def block(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s flat host block."""
+        return self.flat[i]
+
     def host_views(self, i: int) -> dict[str, torch.Tensor]:
-        return self.layouts[i].views(self.flat[i])
+        """Layer ``i``'s full-precision tensors, as views of the host block (4-bit weights left out:
+        they exist only packed)."""
+        return self.layouts[i].plain_views(self.flat[i])
+
+    def quantization(self) -> dict | None:
+        """What deg.json records of the 4-bit storage (None when nothing is quantized)."""
+        metas = [m for lay in self.layouts for m in lay.quantized.values()]
+        if not metas:
+            return None
+        first = metas[0]
+        return {
+            "method": "bitsandbytes-4bit",
+            "quant_type": first.quant_type,
+            "blocksize": first.blocksize,
+            "double_quant": first.nested,
+            "quantized_from": str(first.dtype).replace("torch.", ""),
+            "compute_dtype": str(self.dtype).replace("torch.", ""),
+            "weights_per_layer": len(self.layouts[0].quantized),
+            "prequantized": self.quant is None,
+        }
 
     def close(self) -> None:
         self.flat = []
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 class _NoBar:
@@ -312,9 +367,9 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, desc: str):
     if not enabled or total < 64 * 2**20:  # a bar for small models is noise
         return _NoBar()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc="loading layers into host memory")
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc)
