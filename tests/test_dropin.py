@@ -178,3 +178,123 @@ def test_same_object_as_model_and_ref_model_gets_trls_own_message(checkpoint, tm
     with pytest.raises(ValueError, match="cannot be the same object"):
         make("dpo", path, tmp_path, stream=True, model=model, ref_model=model)
     assert store.CONSTRUCTED == before
+
+
+# ----------------------------------------------------------------------------- loaded objects
+
+
+def _ids():
+    return torch.tensor([[1, 9, 10, 11, 12, 13, 14], [1, 20, 21, 22, 23, 24, 25]])
+
+
+def test_loaded_model_streams_as_given_with_its_dtype_and_in_memory_edits(checkpoint, tmp_path):
+    import copy
+    import gc
+    import weakref
+
+    from harness import write_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from deg_hf.streaming import store
+
+    files = str(tmp_path / "bf16")  # a bfloat16 checkpoint, loaded as a float32 object
+    AutoModelForCausalLM.from_pretrained(checkpoint("llama")).to(torch.bfloat16).save_pretrained(files)
+    write_tokenizer(files)
+    obj = AutoModelForCausalLM.from_pretrained(files, dtype=torch.float32)
+    with torch.no_grad():  # edits that exist only in memory
+        obj.model.layers[0].self_attn.q_proj.weight.add_(0.25)
+        obj.model.layers[0].mlp.up_proj.weight.mul_(-1.0)
+    resident = copy.deepcopy(obj).eval()
+    with torch.no_grad():
+        expected = resident(input_ids=_ids()).logits
+        # control: the files differ from the object, so rebuilding from them would fail below
+        reloaded = AutoModelForCausalLM.from_pretrained(files, dtype=torch.float32).eval()
+        assert not torch.equal(reloaded(input_ids=_ids()).logits, expected)
+    held = weakref.ref(obj.model.layers[0].self_attn.q_proj.weight)
+    assert held() is not None and not held().is_meta
+    before = store.CONSTRUCTED
+    trainer = make("sft", files, tmp_path / "out", stream=True, model=obj)
+    assert store.CONSTRUCTED - before == 1
+    assert trainer.model.get_base_model() is obj  # the object itself, not a rebuild
+    assert trainer.stream_runtime.store.dtype == torch.float32  # its dtype, not the files' bfloat16
+    # every decoder-layer base weight moved out of the module: on meta, its storage released
+    layer_params = [(n, p) for n, p in obj.model.layers.named_parameters() if "lora_" not in n]
+    assert layer_params and all(p.is_meta for _, p in layer_params)
+    gc.collect()
+    assert held() is None
+    trainer.model.eval()
+    with torch.no_grad(), trainer.model.disable_adapter():
+        got = trainer.model(input_ids=_ids()).logits
+    assert torch.equal(got, expected)
+
+
+def test_peft_model_streams_with_its_adapter_and_trains_like_resident(checkpoint, tmp_path):
+    import copy
+
+    from harness import randomise_lora_b
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint("llama")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**LORA))
+    assert randomise_lora_b(peft_model) > 0  # trained adapter values (PEFT starts lora_B at zero)
+    twin = copy.deepcopy(peft_model)
+    streamed = make("dpo", path, tmp_path / "s", stream=True, model=peft_model, peft=False, max_steps=5)
+    resident = make("dpo", path, tmp_path / "r", stream=False, model=twin, peft=False, max_steps=5)
+    assert streamed.model is peft_model and streamed.stream_runtime is not None
+    assert all(p.is_meta for n, p in peft_model.get_base_model().model.layers.named_parameters() if "lora_" not in n)
+    # TRL's semantics on both: the reference is a frozen copy of the adapter as passed
+    assert "ref" in streamed.model.peft_config and "ref" in resident.model.peft_config
+    start = adapter_state(resident.model)
+    got = adapter_state(streamed.model)
+    assert got.keys() == start.keys() and all(torch.equal(got[k], start[k]) for k in start)
+    streamed.model.eval()
+    resident.model.eval()
+    with torch.no_grad():
+        assert torch.equal(streamed.model(input_ids=_ids()).logits, resident.model(input_ids=_ids()).logits)
+    streamed.train()
+    resident.train()
+    a, b = adapter_state(streamed.model), adapter_state(resident.model)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    assert any(not torch.equal(start[k], b[k]) for k in b if ".default." in k)  # control: training moved it
+
+
+def test_peft_model_with_a_named_and_a_second_adapter_keeps_both(checkpoint, tmp_path):
+    import copy
+
+    from harness import randomise_lora_b
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint("llama")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**LORA), adapter_name="mine")
+    peft_model.add_adapter("second", LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    randomise_lora_b(peft_model)
+    twin = copy.deepcopy(peft_model).eval()
+    trainer = make("sft", path, tmp_path, stream=True, model=peft_model, peft=False)
+    assert set(trainer.model.peft_config) == {"mine", "second"}
+    assert trainer.model.active_adapter == "mine"
+    got, want = adapter_state(trainer.model), adapter_state(twin)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    trainer.model.eval()
+    outputs = {}
+    for adapter in ("mine", "second"):
+        trainer.model.set_adapter(adapter)
+        twin.set_adapter(adapter)
+        with torch.no_grad():
+            outputs[adapter] = trainer.model(input_ids=_ids()).logits
+            assert torch.equal(outputs[adapter], twin(input_ids=_ids()).logits)
+    assert not torch.equal(outputs["mine"], outputs["second"])  # control: the adapters differ
+
+
+def test_peft_model_with_the_base_as_ref_model_keeps_the_base_as_reference(checkpoint, tmp_path):
+    """The script's own reference (the bare base) is kept: the adapters-off base, no "ref" adapter copy."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint("llama")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**LORA))
+    ref = AutoModelForCausalLM.from_pretrained(path)
+    trainer = make("kto", path, tmp_path, stream=True, model=peft_model, peft=False, ref_model=ref)
+    assert trainer.ref_model is None and "ref" not in trainer.model.peft_config
+    assert all(p.is_meta for p in ref.parameters())

@@ -394,24 +394,6 @@ def test_base_reading_peft_variants_are_refused_by_name(checkpoint, tmp_path, pe
     assert store.CONSTRUCTED == before  # refused before any weight was read
 
 
-def test_loaded_model_is_rebuilt_streamed_from_its_files(checkpoint, tmp_path):
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from deg_hf import StreamedSFTConfig, StreamedSFTTrainer
-
-    path = checkpoint("llama")
-    loaded = AutoModelForCausalLM.from_pretrained(path)
-    trainer = StreamedSFTTrainer(
-        model=loaded,
-        args=StreamedSFTConfig(**trainer_kwargs(str(tmp_path), max_length=32, max_steps=1)),
-        train_dataset=Dataset.from_list(sft_rows(4)),
-        processing_class=AutoTokenizer.from_pretrained(path),
-    )
-    assert trainer.stream_runtime is not None
-    assert trainer.model.base_model.model is not loaded
-
-
 def test_streaming_under_fsdp_or_deepspeed_is_refused(checkpoint, tmp_path, monkeypatch):
     from deg_hf import StreamedSFTConfig, StreamedSFTTrainer
     from deg_hf.streaming import store

@@ -108,12 +108,14 @@ class StreamingSetupMixin:
 
                     model = get_peft_model(model, peft_config)
             params["model"] = model
+            adapters_before = set(model.peft_config) if _is_peft_model(model) else set()
             upstream(**params)
             if self.stream_runtime is not None:
                 from deg_hf.streaming.build import materialize_adapters
 
                 # adapters on streamed layers were created on `meta` (their base layer's device)
                 materialize_adapters(self.model, self.stream_runtime.device)
+                self._deg_fill_trl_ref_adapter(adapters_before, released_ref=ref_model is not None)
             self._deg_setup_memory(settings)
             self._deg_setup_prefix(config)
             from deg_hf.trainers.records import DegCheckpointCallback
@@ -150,23 +152,18 @@ class StreamingSetupMixin:
 
                 return AutoModelForCausalLM.from_pretrained(model, **_resident_kwargs(init_kwargs))
             return model  # resident is upstream: it loads an id itself and takes a loaded model as given
-        if isinstance(model, PeftModel):
-            raise ValueError(
-                "a PeftModel cannot be streamed as passed: its base weights are already loaded. "
-                "Save the adapter (model.save_pretrained(dir)), then pass the base model id as "
-                "`model` and `peft_config=PeftConfig.from_pretrained(dir)`, or load a deg_hf "
-                "checkpoint with deg_hf.load(). Pass stream_layers=False to train it resident."
+        if isinstance(model, (PeftModel, PreTrainedModel)):
+            # streamed as given: its own tensors move into the store (its dtype, its in-memory values)
+            from deg_hf.streaming.build import stream_loaded_model
+
+            if isinstance(model, PeftModel):
+                for adapter_config in model.peft_config.values():
+                    _refuse_base_reading_peft(adapter_config, created=True)
+            model, self.stream_runtime = stream_loaded_model(
+                model, device=args.device, stream_buffers=settings.stream_buffers,
+                progress=not getattr(args, "disable_tqdm", False),
             )
-        if isinstance(model, PreTrainedModel):
-            _refuse_dispatched_or_quantized(model)
-            source = getattr(model, "name_or_path", None)
-            if not source:
-                raise ValueError(
-                    "a loaded model without name_or_path cannot be rebuilt streamed: pass its Hub id or "
-                    "the directory it was saved to."
-                )
-            init_kwargs.setdefault("attn_implementation", getattr(model.config, "_attn_implementation", None))
-            model = source
+            return model
         if not isinstance(model, str):
             raise TypeError(f"model must be a Hub id, a path or a PreTrainedModel, got {type(model).__name__}")
         from deg_hf.streaming.build import build_streamed_model
@@ -184,6 +181,26 @@ class StreamingSetupMixin:
         )
         self.stream_runtime = runtime
         return streamed
+
+    def _deg_fill_trl_ref_adapter(self, adapters_before: set, released_ref: bool) -> None:
+        """Given a PeftModel and no ref_model, TRL's DPO and KTO add a frozen ``"ref"`` adapter and
+        copy the ``"default"`` adapter's values into it: the reference is the adapter as passed.
+        Under streaming PEFT creates it on ``meta`` (the base layer's device), so that copy wrote
+        nothing and materialising gave it fresh values: copy again, as TRL meant. When the script
+        did pass a ref_model (released here, being the base), the reference stays what it passed:
+        the base, with the adapters disabled, and the added adapter goes."""
+        import torch
+
+        adapters = getattr(self.model, "peft_config", None) or {}
+        if "ref" not in adapters or "ref" in adapters_before or "default" not in adapters:
+            return
+        if released_ref:
+            self.model.delete_adapter("ref")
+            return
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if ".ref." in name:
+                    param.copy_(self.model.get_parameter(name.replace(".ref.", ".default.")))
 
     def _deg_release_ref_model(self, ref_model, model) -> None:
         """Streamed: accept an explicit ref_model that is the policy's base and free it (the reference
@@ -526,21 +543,9 @@ def _is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-def _refuse_dispatched_or_quantized(model) -> None:
-    device_map = getattr(model, "hf_device_map", None)
-    if device_map:
-        raise ValueError(
-            "the model was loaded with a device_map (dispatched across devices by accelerate); deg_hf "
-            "places it itself. Pass the model id or path instead of the loaded model."
-        )
-    if getattr(model, "is_quantized", False) or getattr(model.config, "quantization_config", None):
-        raise ValueError(
-            "a quantized model cannot be streamed or re-placed by deg_hf as loaded. Pass the unquantized "
-            "base model id or path (layer streaming keeps the full-precision weights in host memory)."
-        )
-
-
-def _refuse_base_reading_peft(peft_config) -> None:
+def _refuse_base_reading_peft(peft_config, *, created: bool = False) -> None:
+    """Refuse adapters that need the base weights in device memory; ``created``: the adapter already
+    holds its values (a PeftModel), so how it was initialised no longer matters."""
     if peft_config is None:
         return
     kind = str(getattr(peft_config, "peft_type", "")).split(".")[-1].upper()
@@ -556,7 +561,7 @@ def _refuse_base_reading_peft(peft_config) -> None:
             "LoRA, or stream_layers=False."
         )
     init = str(getattr(peft_config, "init_lora_weights", True)).lower()
-    if any(init.startswith(name) for name in _BASE_READING_INITS):
+    if not created and any(init.startswith(name) for name in _BASE_READING_INITS):
         raise ValueError(
             f"init_lora_weights={peft_config.init_lora_weights!r} initialises the adapter from the base "
             "weights, which are not in memory under layer streaming. Use init_lora_weights=True or "
