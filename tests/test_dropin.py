@@ -298,3 +298,19 @@ def test_peft_model_with_the_base_as_ref_model_keeps_the_base_as_reference(check
     trainer = make("kto", path, tmp_path, stream=True, model=peft_model, peft=False, ref_model=ref)
     assert trainer.ref_model is None and "ref" not in trainer.model.peft_config
     assert all(p.is_meta for p in ref.parameters())
+
+
+def test_kto_split_with_trls_own_reference_model_gives_the_unsplit_gradient(checkpoint, tmp_path):
+    """Resident without peft_config, KTO's batch-level KL over the whole micro-batch comes from TRL's
+    reference model (no adapter to disable) when a micro-batch runs in parts."""
+    from test_split_retry import assert_close_gradients, oom, run
+
+    path = checkpoint("llama")
+    kwargs = dict(stream=False, peft=False, rows=12, max_steps=1, gradient_accumulation_steps=2,
+                  per_device_train_batch_size=3)
+    want = run(make("kto", path, tmp_path / "whole", **kwargs))
+    split = make("kto", path, tmp_path / "split", **kwargs)
+    split.set_fault_hook(lambda info, phase: oom() if len(info) > 1 and phase == "forward" else None)
+    got = run(split)
+    assert split.deg_counters["oom_retry"] > 0 and split.deg_counters["parts"] > 2
+    assert_close_gradients(got.grads[0], want.grads[0])

@@ -112,7 +112,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trl-tests", required=True, help="the tests/ directory of a TRL checkout")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: plain, resident, streamed")
-    parser.add_argument("--work", default=None, help="working directory (stand-ins, results); default: a temp dir")
+    parser.add_argument("--work", default=None,
+                        help="working directory (stand-ins, results; a mode not in --modes reports its earlier "
+                             "results from here); default: a new temp dir")
     parser.add_argument("-k", dest="select", default=None, help="pytest -k expression, to run a subset")
     args = parser.parse_args(argv)
     trl_tests = os.path.abspath(args.trl_tests)
@@ -127,6 +129,12 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=True)
     print(f"TRL tests: {trl_tests}; stand-ins and results in {work}", flush=True)
     runs = {mode: run_mode(mode, trl_tests, work, args.select) for mode in modes}
+    for mode in MODES:  # a mode not rerun reports from its earlier results in the same --work
+        earlier = os.path.join(work, f"{mode}.json")
+        if mode not in runs and os.path.exists(earlier):
+            with open(earlier, encoding="utf-8") as fh:
+                runs[mode] = json.load(fh)["results"]
+            print(f"[{mode}] earlier results from {earlier}")
     return report(runs, trl_tests)
 
 
