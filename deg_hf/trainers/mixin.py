@@ -163,6 +163,10 @@ class StreamingSetupMixin:
                 model, device=args.device, stream_buffers=settings.stream_buffers,
                 progress=not getattr(args, "disable_tqdm", False),
             )
+            self.deg_notes.append(
+                f"the base streamed from the loaded model's own tensors ({self.stream_runtime.store.dtype}, its "
+                "in-memory values), not from the files at its name_or_path, which may differ"
+            )
             return model
         if not isinstance(model, str):
             raise TypeError(f"model must be a Hub id, a path or a PreTrainedModel, got {type(model).__name__}")
