@@ -152,6 +152,11 @@ def pytest_runtest_logreport(report):
         if report.outcome != "passed":
             entry["reason"] = _reason(report)
             entry["when"] = report.when
+            crash = getattr(report.longrepr, "reprcrash", None)
+            if crash is not None and report.failed:
+                import linecache
+
+                entry["line"] = linecache.getline(crash.path, crash.lineno).strip()  # the failing statement
 
 
 def pytest_sessionfinish(session, exitstatus):
