@@ -39,6 +39,22 @@ class StreamConfig:
         metadata={"help": "Directory for a converted copy of the layer weights, keyed by a "
                   "fingerprint of the source files, so later runs load faster."},
     )
+    stream_quantization: str | None = field(
+        default=None,
+        metadata={"help": "Store the decoder layers' Linear weights 4-bit in host memory: 'nf4' or 'fp4' "
+                  "(QLoRA; needs bitsandbytes: pip install 'deg_hf[nf4]'). A quantization_config with "
+                  "load_in_4bit in model_init_kwargs, or TRL's --load_in_4bit, asks for the same. None: the "
+                  "training dtype (a checkpoint saved 4-bit streams 4-bit as it is)."},
+    )
+    stream_quant_double: bool = field(
+        default=True,
+        metadata={"help": "Double quantization: the per-block scales are themselves stored 8-bit "
+                  "(about 0.4 bits per weight less)."},
+    )
+    stream_quant_blocksize: int = field(
+        default=64,
+        metadata={"help": "Weights per 4-bit block, each with its own scale (32 ... 4096; bitsandbytes' default 64)."},
+    )
     mem_target_gb: float | None = field(
         default=None,
         metadata={"help": "Device-memory target in GB for planning micro-batches. None: 90 percent of the "
@@ -88,6 +104,11 @@ class PrefixSharingConfig:
     )
 
 
+#: what stream_quantization and stream_quant_blocksize accept (bitsandbytes' 4-bit types and block sizes)
+QUANT_TYPES = ("nf4", "fp4")
+QUANT_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
 def validate_stream_settings(cfg) -> None:
     if int(getattr(cfg, "stream_buffers", 2)) < 1:
         raise ValueError(
@@ -99,6 +120,14 @@ def validate_stream_settings(cfg) -> None:
         raise ValueError(f"mem_target_gb must be > 0 GB (or None for the default), got {target}")
     if int(getattr(cfg, "oom_max_splits", 16)) < 0:
         raise ValueError(f"oom_max_splits must be >= 0, got {cfg.oom_max_splits}")
+    quant = getattr(cfg, "stream_quantization", None)
+    if quant is not None and quant not in QUANT_TYPES:
+        raise ValueError(f"stream_quantization must be one of {', '.join(QUANT_TYPES)} or None, got {quant!r}")
+    blocksize = getattr(cfg, "stream_quant_blocksize", 64)
+    if isinstance(blocksize, bool) or blocksize not in QUANT_BLOCKSIZES:
+        raise ValueError(
+            f"stream_quant_blocksize must be one of {', '.join(map(str, QUANT_BLOCKSIZES))}, got {blocksize!r}"
+        )
 
 
 def stream_settings(args) -> StreamConfig:

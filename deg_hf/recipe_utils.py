@@ -46,9 +46,29 @@ def parse_args(config_class, recipe: str, argv=None):
     init_kwargs = {"revision": model_args.model_revision, "attn_implementation": model_args.attn_implementation,
                    "dtype": model_args.dtype}
     init_kwargs = {k: v for k, v in init_kwargs.items() if v not in (None, "main", "auto")}
+    quantization = _quantization_config(model_args)
+    if quantization is not None:  # --load_in_4bit & co: QLoRA, streamed 4-bit (or resident with --stream_layers false)
+        init_kwargs["quantization_config"] = quantization
     if init_kwargs:
         training_args.model_init_kwargs = {**init_kwargs, **(training_args.model_init_kwargs or {})}
     return script_args, training_args, model_args
+
+
+def _quantization_config(model_args):
+    """TRL's ``ModelConfig`` quantization flags as the ``BitsAndBytesConfig`` TRL builds from them
+    (``trl.get_quantization_config``), with the compute dtype left to the model when ``--dtype auto``."""
+    if not (model_args.load_in_4bit or model_args.load_in_8bit):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if model_args.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = model_args.dtype if model_args.dtype not in (None, "auto") else None
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_compute_dtype=compute, bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant,
+        bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage,
+    )
 
 
 def load_data(script_args, view: str):

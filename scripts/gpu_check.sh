@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE=1
 "$py" -m pytest tests -q -m cuda -p no:cacheprovider 2>&1 | tail -40 > "$out/pytest_cuda.txt"
 # the CPU suite's exactness tests, on a CUDA machine (tensors on CPU, the rest of the stack real)
 "$py" -m pytest tests/test_streaming.py -q -x -p no:cacheprovider 2>&1 | tail -5 > "$out/pytest_streaming.txt"
-for bench in stream reference prefix; do
+for bench in stream reference prefix quant; do
   timeout 300 "$py" scripts/bench.py "$bench" 2>"$out/bench_$bench.err" | tail -1 > "$out/bench_$bench.json"
 done
 cat "$out"/pytest_cuda.txt "$out"/bench_*.json

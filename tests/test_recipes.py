@@ -42,6 +42,17 @@ def test_recipe_runs_without_config(name, tmp_path):
     assert_saved(run_recipe(name, *FAST, "--output_dir", str(out)), out)
 
 
+def test_recipe_load_in_4bit_streams_nf4(tmp_path):
+    """TRL's --load_in_4bit flags mean QLoRA under streaming too: the store holds NF4."""
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / "dpo4"
+    proc = run_recipe("dpo", *FAST, "--max_steps", "3", "--load_in_4bit", "true", "--use_bnb_nested_quant", "true",
+                      "--output_dir", str(out))
+    assert_saved(proc, out)
+    quant = json.loads((out / "deg.json").read_text())["stream"]["quantization"]
+    assert (quant["method"], quant["quant_type"], quant["double_quant"]) == ("bitsandbytes-4bit", "nf4", True)
+
+
 def demo_args() -> list[str]:
     """The arguments `make demo` passes to recipes/dpo.py, read from the Makefile."""
     text = (REPO / "Makefile").read_text().replace("\\\n", " ")

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-QUANT_TYPES = ("nf4", "fp4")
-BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+from deg_hf.config import QUANT_BLOCKSIZES as BLOCKSIZES
+from deg_hf.config import QUANT_TYPES
+
 NESTED_BLOCKSIZE = 256  # bitsandbytes' block size for double quantization of absmax
 SEP = "#"  # piece names: "<weight>#packed", "<weight>#absmax", ... ('#' never occurs in module names)
 
@@ -241,7 +242,7 @@ def bnb_config_dict(cfg) -> dict:
 
 def method_of(cfg: dict) -> str:
     """A readable name for a quantization config's method (``bitsandbytes-4bit``, ``gptq``, ...)."""
-    method = str(cfg.get("quant_method", "")).lower().split(".")[-1]
+    method = str(cfg.get("quant_method", "")).lower().split(".")[-1].replace("_", "")
     if method == "bitsandbytes" or "load_in_4bit" in cfg or "load_in_8bit" in cfg:
         if cfg.get("load_in_4bit"):
             return "bitsandbytes-4bit"
@@ -249,3 +250,66 @@ def method_of(cfg: dict) -> str:
             return "bitsandbytes-8bit"
         return "bitsandbytes"
     return method or "unknown"
+
+
+def resolve_spec(settings, quantization_config) -> QuantSpec | None:
+    """The 4-bit storage asked for, by the stream settings and by a ``quantization_config``
+    (``BitsAndBytesConfig`` or its dict), as one answer; None for the training dtype.
+
+    A ``BitsAndBytesConfig(load_in_4bit=True, ...)`` means what it means to transformers: its quant
+    type, double quantization and skip list apply. ``stream_quantization``, when also set, must agree.
+    Other methods are refused, saying what to pass instead."""
+    wanted = getattr(settings, "stream_quantization", None)
+    blocksize = int(getattr(settings, "stream_quant_blocksize", 64))
+    cfg = bnb_config_dict(quantization_config)
+    if not cfg:
+        if not wanted:
+            return None
+        return QuantSpec(wanted, blocksize, bool(getattr(settings, "stream_quant_double", True)))
+    method = method_of(cfg)
+    if method == "bitsandbytes-8bit":
+        raise ValueError(
+            "quantization_config asks for 8-bit (LLM.int8, load_in_8bit), which layer streaming cannot run: "
+            "its matmul needs the int8 weights and their outlier columns inside bitsandbytes' own layers. "
+            "Use 4-bit (BitsAndBytesConfig(load_in_4bit=True) or stream_quantization='nf4'), or "
+            "stream_layers=False to train it resident."
+        )
+    if method != "bitsandbytes-4bit":
+        raise ValueError(
+            f"quantization_config ({method}) cannot be applied by layer streaming, which stores weights 4-bit "
+            "with bitsandbytes only. Use BitsAndBytesConfig(load_in_4bit=True) or stream_quantization='nf4', "
+            "or stream_layers=False to load it as transformers does."
+        )
+    quant_type = str(cfg.get("bnb_4bit_quant_type") or "fp4")  # BitsAndBytesConfig's own default
+    if wanted and wanted != quant_type:
+        raise ValueError(
+            f"stream_quantization={wanted!r} and quantization_config's bnb_4bit_quant_type={quant_type!r} "
+            "disagree; set one of them (or make them equal)."
+        )
+    skip = cfg.get("llm_int8_skip_modules")
+    return QuantSpec(quant_type, blocksize, bool(cfg.get("bnb_4bit_use_double_quant", False)),
+                     tuple(skip) if skip else None)
+
+
+def compute_dtype_of(quantization_config) -> torch.dtype | None:
+    """``bnb_4bit_compute_dtype`` of a quantization config, as a torch dtype (None when absent)."""
+    value = bnb_config_dict(quantization_config).get("bnb_4bit_compute_dtype")
+    if isinstance(value, str):
+        value = getattr(torch, value.replace("torch.", ""), None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def resident_config(spec: QuantSpec, dtype: torch.dtype | None):
+    """The ``BitsAndBytesConfig`` that loads a resident model as ``spec`` stores a streamed one."""
+    from transformers import BitsAndBytesConfig
+
+    require_bitsandbytes()
+    if spec.blocksize != 64:
+        raise ValueError(
+            f"stream_quant_blocksize={spec.blocksize} applies to streaming only: transformers' 4-bit loading "
+            "uses blocks of 64. Use 64 with stream_layers=False."
+        )
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=spec.quant_type, bnb_4bit_use_double_quant=spec.double,
+        bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=list(spec.skip_modules) if spec.skip_modules else None,
+    )

@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 _ALIGN = 64  # bytes; keeps every view aligned for vectorised kernels and DMA
-_QUANT_CHUNK = 1 << 24  # elements quantized at once on the host: bounds the quantizer's temporaries
+_QUANT_CHUNK = 1 << 22  # elements quantized at once on the host: bounds the quantizer's temporaries
 
 #: every WeightStore construction increments this (tests count stores per setup)
 CONSTRUCTED = 0

@@ -146,10 +146,17 @@ class StreamingSetupMixin:
         if model is None:
             raise ValueError(f"{type(self).__name__} needs a model: a Hub id, a local path or a loaded model.")
         init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+        from deg_hf.streaming import quant
+
         if not settings.stream_layers:
-            if isinstance(model, str) and not self.deg_upstream_loads_ids:
+            spec = None
+            if isinstance(model, str) and "quantization_config" not in init_kwargs:
+                spec = quant.resolve_spec(settings, None)
+            if isinstance(model, str) and (spec is not None or not self.deg_upstream_loads_ids):
                 from transformers import AutoModelForCausalLM
 
+                if spec is not None:  # stream_quantization asks for QLoRA resident: transformers' own 4-bit loading
+                    init_kwargs["quantization_config"] = quant.resident_config(spec, _dtype_of(args, init_kwargs))
                 return AutoModelForCausalLM.from_pretrained(model, **_resident_kwargs(init_kwargs))
             return model  # resident is upstream: it loads an id itself and takes a loaded model as given
         if isinstance(model, (PeftModel, PreTrainedModel)):
@@ -161,7 +168,7 @@ class StreamingSetupMixin:
                     _refuse_base_reading_peft(adapter_config, created=True)
             model, self.stream_runtime = stream_loaded_model(
                 model, device=args.device, stream_buffers=settings.stream_buffers,
-                progress=not getattr(args, "disable_tqdm", False),
+                progress=not getattr(args, "disable_tqdm", False), quantization=quant.resolve_spec(settings, None),
             )
             self.deg_notes.append(
                 f"the base streamed from the loaded model's own tensors ({self.stream_runtime.store.dtype}, its "
@@ -172,6 +179,8 @@ class StreamingSetupMixin:
             raise TypeError(f"model must be a Hub id, a path or a PreTrainedModel, got {type(model).__name__}")
         from deg_hf.streaming.build import build_streamed_model
 
+        quantization_config = init_kwargs.pop("quantization_config", None)
+        spec = quant.resolve_spec(settings, quantization_config)
         dtype = _dtype_of(args, init_kwargs)
         streamed, runtime = build_streamed_model(
             model,
@@ -182,8 +191,18 @@ class StreamingSetupMixin:
             attn_implementation=init_kwargs.get("attn_implementation"),
             revision=init_kwargs.get("revision"),
             progress=not getattr(args, "disable_tqdm", False),
+            quantization=spec,
         )
         self.stream_runtime = runtime
+        compute = quant.compute_dtype_of(quantization_config)
+        if runtime.store.quantized and compute is not None and compute != runtime.store.dtype:
+            note = (
+                f"the 4-bit layers are dequantized to the training dtype {runtime.store.dtype} and compute in it; "
+                f"bnb_4bit_compute_dtype={compute} applies to resident bitsandbytes layers only (pass "
+                f"model_init_kwargs={{'dtype': {str(compute).replace('torch.', '')!r}}} to train in it)"
+            )
+            self.deg_notes.append(note)
+            logger.warning(note)
         return streamed
 
     def _deg_fill_trl_ref_adapter(self, adapters_before: set, released_ref: bool) -> None:

@@ -144,6 +144,8 @@ def stream_section(trainer) -> dict:
         "enabled": True,
         **settings,
         "store_fingerprint": getattr(store, "fingerprint", None),
+        # the 4-bit storage (method, type, blocksize, double quant, compute dtype); None at the training dtype
+        "quantization": store.quantization() if store is not None else None,
         "device": str(getattr(runtime, "device", "")) or None,
         # host-to-device layer copies (a fetch served by a buffer that already held the layer is a hit)
         "layer_fetches": int(stats.get("loads", 0)),
