@@ -314,3 +314,21 @@ def test_kto_split_with_trls_own_reference_model_gives_the_unsplit_gradient(chec
     got = run(split)
     assert split.deg_counters["oom_retry"] > 0 and split.deg_counters["parts"] > 2
     assert_close_gradients(got.grads[0], want.grads[0])
+
+
+def test_loaded_model_streams_4bit_to_the_same_bytes_as_its_files(checkpoint, tmp_path):
+    """stream_quantization applies to a loaded model too: quantized from its own tensors as the
+    store fills, byte for byte what streaming the same weights from their files stores."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint("llama")
+    from_object = make("sft", path, tmp_path / "o", stream=True, model=AutoModelForCausalLM.from_pretrained(path),
+                       stream_quantization="nf4")
+    from_files = make("sft", path, tmp_path / "f", stream=True, stream_quantization="nf4")
+    a, b = from_object.stream_runtime.store, from_files.stream_runtime.store
+    assert a.quantized and b.quantized and a.n_layers == b.n_layers
+    for i in range(a.n_layers):  # piece by piece (a block's alignment padding is never written)
+        got, want = a.layouts[i].views(a.block(i)), b.layouts[i].views(b.block(i))
+        assert got.keys() == want.keys() and any("absmax" in k or "quant" in k for k in got)
+        assert all(torch.equal(got[k], want[k]) for k in want)

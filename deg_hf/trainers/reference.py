@@ -4,10 +4,11 @@ Under streaming the reference is the streamed base with the adapter disabled, so
 adds nothing but memory. Many scripts pass one anyway (a second ``from_pretrained`` of the same
 base): it is accepted when it *is* the policy's base, and then released. It counts as the base when
 its config matches and every tensor equals the base's (compared in the narrower of the two dtypes,
-so a float32 copy of a bfloat16 checkpoint still matches); when its tensors cannot be read (a
-quantized or offloaded copy), when it comes from the same source (same name or path, same
-revision). Anything else (another checkpoint, edited weights, an adapter on it) is refused with
-the difference named: silently replacing a different reference would change the loss.
+so a float32 copy of a bfloat16 checkpoint still matches); when the tensors cannot be compared (a
+quantized or offloaded copy, or a base stored 4-bit), when it comes from the same source (same
+name or path, same revision). Anything else (another checkpoint, edited weights, an adapter on it)
+is refused with the difference named: silently replacing a different reference would change the
+loss.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def _same_tensors(ref_model, base) -> str | None:
     if not _readable(ref_model, ref_state):
         return None
     base_state = _base_state(base)
+    if any(t.is_meta for t in base_state.values()):
+        return None  # weights the store holds 4-bit exist only packed: nothing to compare with
     missing = sorted(set(base_state) - set(ref_state))
     extra = sorted(set(ref_state) - set(base_state))
     if missing or extra:
