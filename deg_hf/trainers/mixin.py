@@ -1,9 +1,12 @@
 """StreamingSetupMixin: the one setup every deg_hf trainer shares.
 
 A deg_hf trainer is ``class StreamedXTrainer(StreamingSetupMixin, XTrainer)``. Before the upstream
-``__init__`` runs, the mixin resolves the model (a Hub id, a path, or a loaded model), builds it
-streamed (or resident with ``stream_layers=False``), applies the LoRA adapter, and refuses, with a
-reason and a remedy, what cannot work. The upstream trainer then sees an ordinary PEFT model.
+``__init__`` runs, the mixin builds the model streamed (from a Hub id or path, or from a loaded
+model's or ``PeftModel``'s own tensors), settles an explicit ``ref_model`` (released when it is the
+base), chooses the adapter (the default LoRA when none is given: a streamed base stays frozen), and
+refuses, with a reason and a remedy, what cannot work. The upstream trainer then sees an ordinary
+PEFT model. With ``stream_layers=False`` the model, ``peft_config`` and ``ref_model`` go to the
+upstream trainer as given: resident is upstream (a full fine-tune without ``peft_config``).
 
 This module stays import-light (no top-level torch, transformers, PEFT or TRL): configuration code
 and ``deg-hf --help`` import deg_hf without paying for them.
