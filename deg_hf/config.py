@@ -55,6 +55,17 @@ class StreamConfig:
         default=64,
         metadata={"help": "Weights per 4-bit block, each with its own scale (32 ... 4096; bitsandbytes' default 64)."},
     )
+    stream_tier: str = field(
+        default="auto",
+        metadata={"help": "Where the layer store lives: 'ram' (host memory), 'disk' (the layer cache, read each "
+                  "sweep by a background loader) or 'auto' (as many layers in RAM as host_mem_gb holds, the "
+                  "rest from disk)."},
+    )
+    host_mem_gb: float | None = field(
+        default=None,
+        metadata={"help": "Host-memory budget in GB for the layer store. None: the available memory less a "
+                  "margin (10 percent of the machine, at least 2 GB) for the OS, dataloaders and activations."},
+    )
     mem_target_gb: float | None = field(
         default=None,
         metadata={"help": "Device-memory target in GB for planning micro-batches. None: 90 percent of the "
@@ -107,6 +118,7 @@ class PrefixSharingConfig:
 #: what stream_quantization and stream_quant_blocksize accept (bitsandbytes' 4-bit types and block sizes)
 QUANT_TYPES = ("nf4", "fp4")
 QUANT_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+STREAM_TIERS = ("auto", "ram", "disk")
 
 
 def validate_stream_settings(cfg) -> None:
@@ -120,6 +132,12 @@ def validate_stream_settings(cfg) -> None:
         raise ValueError(f"mem_target_gb must be > 0 GB (or None for the default), got {target}")
     if int(getattr(cfg, "oom_max_splits", 16)) < 0:
         raise ValueError(f"oom_max_splits must be >= 0, got {cfg.oom_max_splits}")
+    tier = getattr(cfg, "stream_tier", "auto")
+    if tier not in STREAM_TIERS:
+        raise ValueError(f"stream_tier must be one of {', '.join(STREAM_TIERS)}, got {tier!r}")
+    host = getattr(cfg, "host_mem_gb", None)
+    if host is not None and (isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 < host < float("inf")):
+        raise ValueError(f"host_mem_gb must be a number of GB > 0 (or None for the available memory), got {host!r}")
     quant = getattr(cfg, "stream_quantization", None)
     if quant is not None and quant not in QUANT_TYPES:
         raise ValueError(f"stream_quantization must be one of {', '.join(QUANT_TYPES)} or None, got {quant!r}")

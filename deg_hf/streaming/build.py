@@ -73,12 +73,15 @@ def build_streamed_model(
     revision: str | None = None,
     progress: bool = True,
     quantization: QuantSpec | None = None,
+    tier: str = "auto",
+    host_mem_gb: float | None = None,
 ):
     """Return ``(model, runtime)``: a causal LM whose decoder layers stream from host memory.
 
     With ``quantization`` the decoder layers' Linear weights are stored 4-bit (as transformers'
     bitsandbytes integration would quantize them); a checkpoint saved 4-bit by transformers streams
-    4-bit as it is, whatever ``quantization`` says."""
+    4-bit as it is, whatever ``quantization`` says. ``tier`` and ``host_mem_gb`` place the layer blocks
+    in host RAM or on disk (:class:`~deg_hf.streaming.store.WeightStore`)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -109,7 +112,7 @@ def build_streamed_model(
     quantize = quantized_weight_names(model, prefix, layers, quantization) if quantization is not None else None
     store = WeightStore(
         local, layer_keys, dtype, quant=quantization, quantize=quantize, cache_dir=cache_dir, progress=progress,
-        quantize_device=device if device.type == "cuda" else None,
+        quantize_device=device if device.type == "cuda" else None, tier=tier, host_mem_gb=host_mem_gb,
     )
     if saved_quant:
         model._deg_saved_quantization = saved_quant

@@ -61,6 +61,8 @@ class StreamRuntime:
         self.hits = 0  # fetches served by a buffer that already held the layer
         self.bytes_moved = 0
         self.wait_s = 0.0  # CUDA: time the compute stream waited for a copy (measured, synchronising)
+        if getattr(self.store, "disk", None) is not None:
+            self.store.disk.reset_stats()
         self.dequantized = 0  # layers dequantized into a compute buffer
         self._dequant_s = 0.0
         self._dequant_events: list = []  # CUDA: (start, end) event pairs, summed by stats()
@@ -87,6 +89,7 @@ class StreamRuntime:
             "device_bytes_peak": self.n_buffers * (self.store.max_layer_bytes + self.store.max_compute_bytes),
             "in_flight_peak": self._in_flight_peak,
             "fetch_wait_s": round(self.wait_s, 6),
+            "tiers": self.store.tier_stats(),
             "closed": self.closed,
         }
 
@@ -112,15 +115,18 @@ class StreamRuntime:
             for s in range(self.n_buffers):
                 if s != slot:
                     self._released[s] = released
+        ahead = self._ahead(i, 2)
         if self._holds[slot] == i:
             self.hits += 1
+            self.store.prefetch(ahead)  # keep the disk loader ahead of the compute
         else:
-            self._copy(i, slot)
+            self._copy(i, slot, ahead)
         if self._cuda:
             t0 = time.perf_counter()
             torch.cuda.current_stream(self.device).wait_event(self._ready[slot])
             self.wait_s += time.perf_counter() - t0
-            self._prefetch(self._next(i))
+            if self.n_buffers > 1 and ahead:
+                self._prefetch(ahead[0], ahead[1:])
         self._in_flight_peak = max(self._in_flight_peak, sum(h is not None for h in self._holds))
         self._last = i
         layout = self.store.layouts[i]
@@ -150,37 +156,43 @@ class StreamRuntime:
             self._dequant_s += time.perf_counter() - t0
         self.dequantized += 1
 
-    def _next(self, i: int) -> int | None:
-        if self.n_buffers < 2:
-            return None
-        if i == 0:
-            step = 1
-        elif i == self.n_layers - 1:
+    def _ahead(self, i: int, k: int) -> list[int]:
+        """The ``k`` layers expected after ``i``, nearest first. Forward passes walk up and backward
+        recomputes walk down; at the top layer a pass with gradients turns into its backward, while
+        one without gradients (a reference or evaluation pass) is followed by the next forward."""
+        top = self.n_layers - 1
+        if i == top:
+            if not torch.is_grad_enabled():
+                return [j for j in range(k) if j != i]
             step = -1
+        elif i == 0:
+            step = 1
         else:
             step = 1 if self._last is None or i > self._last else -1
-        nxt = i + step
-        return nxt if 0 <= nxt < self.n_layers else None
+        return [j for j in range(i + step, i + step * (k + 1), step) if 0 <= j <= top]
 
-    def _prefetch(self, j: int | None) -> None:
-        if j is None or self._holds[j % self.n_buffers] == j:
+    def _prefetch(self, j: int, then: list[int]) -> None:
+        # a block still on its way from disk is not waited for here: the compute would stall
+        if self._holds[j % self.n_buffers] == j or not self.store.ready(j):
             return
-        self._copy(j, j % self.n_buffers)
+        self._copy(j, j % self.n_buffers, then)
 
-    def _copy(self, i: int, slot: int) -> None:
-        src = self.store.block(i)
+    def _copy(self, i: int, slot: int, ahead: list[int] = ()) -> None:
+        src = self.store.block(i, ahead)
         dst = self.buffers[slot][: src.numel()]
         if self._cuda:
             stream = self._copy_stream
             if self._released[slot] is not None:
                 stream.wait_event(self._released[slot])
             with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=self.store.pinned)
+                dst.copy_(src, non_blocking=src.is_pinned())
                 ready = torch.cuda.Event()
                 ready.record(stream)
             self._ready[slot] = ready
+            self.store.release(i, ready)
         else:
             dst.copy_(src)
+            self.store.release(i)
         self._holds[slot] = i
         self._dequantized[slot] = None
         self.loads += 1

@@ -17,7 +17,9 @@ host's page-locked ceiling.
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -25,7 +27,11 @@ from dataclasses import dataclass, field
 import torch
 
 from deg_hf.streaming import quant as q
+from deg_hf.streaming import tiers
+from deg_hf.streaming.cache import LayerCache, default_cache_root
 from deg_hf.streaming.sources import CheckpointSource, fingerprint, safetensors_files
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CONSTRUCTED", "LayerLayout", "StreamingError", "TensorSlot", "WeightStore", "fingerprint",
@@ -136,13 +142,19 @@ def resolve_checkpoint(name_or_path: str, revision: str | None = None) -> str:
 
 
 class WeightStore:
-    """Every decoder layer's base weights, in host memory, one flat block per layer.
+    """Every decoder layer's base weights, one flat block per layer, in host RAM or on disk.
 
     ``source`` is a checkpoint directory or a tensor source (:mod:`deg_hf.streaming.sources`).
     ``layer_keys[i]`` maps each local parameter name of layer ``i`` (as the module names it before
     any adapter is injected, e.g. ``self_attn.q_proj.weight``) to its source key. ``dtype`` is the
     training dtype. With ``quant``, the local names in ``quantize[i]`` are stored 4-bit; weights the
     source already holds 4-bit (a pre-quantized checkpoint) are stored 4-bit whatever ``quant`` says.
+
+    ``tier`` (``auto``, ``ram``, ``disk``) and ``host_mem_gb`` decide where each block lives
+    (:func:`deg_hf.streaming.tiers.plan_placement`); disk blocks live in the layer cache
+    (``cache_dir``, else under the Hugging Face cache home) and are read each sweep by a loader
+    thread. Before any weight is read, a store that fits neither the RAM budget nor the cache
+    directory's free space is refused with the figures.
     """
 
     def __init__(
@@ -157,6 +169,10 @@ class WeightStore:
         cache_dir: str | None = None,
         progress: bool = True,
         quantize_device: torch.device | str | None = None,
+        tier: str = "ram",
+        host_mem_gb: float | None = None,
+        disk_free=None,
+        ring: int = tiers.DEFAULT_RING,
     ):
         global CONSTRUCTED
         CONSTRUCTED += 1
@@ -169,6 +185,7 @@ class WeightStore:
         self.fingerprint = source.fingerprint
         self.pinned = False
         self.layer_keys = layer_keys
+        self.disk: tiers.DiskTier | None = None
         missing = sorted(k for keys in layer_keys for k in keys.values() if k not in source)
         if missing:
             raise StreamingError(
@@ -178,21 +195,57 @@ class WeightStore:
                 "stream_layers=False."
             )
         quantize = quantize if quant is not None and quantize is not None else [set() for _ in layer_keys]
+        self._prequantized = False
         self.layouts = [self._layout(keys, names) for keys, names in zip(layer_keys, quantize)]
         self.quantized = any(lay.quantized for lay in self.layouts)
         if self.quantized:
             q.require_bitsandbytes()
-        want_pin = torch.cuda.is_available() if pin is None else pin
-        self.flat: list[torch.Tensor] = [self._allocate(lay.nbytes, want_pin) for lay in self.layouts]
         self._qdevice = torch.device(quantize_device) if quantize_device is not None else torch.device("cpu")
-        cached = self._cache_path(cache_dir)
-        if cached and os.path.isdir(cached) and self._read_cache(cached):
-            self._release_source()
-            return
-        self._fill(progress)
+        want_pin = torch.cuda.is_available() if pin is None else pin
+
+        # where each block lives, decided (and refused) before any weight is read
+        sizes = [lay.nbytes for lay in self.layouts]
+        budget = tiers.host_budget(host_mem_gb)
+        self.placement = tiers.plan_placement(tier, sizes, budget)
+        on_disk = [i for i, where in enumerate(self.placement) if where == "disk"]
+        self.host_budget = budget
+        cache = None
+        if cache_dir or on_disk:
+            cache = LayerCache(cache_dir or default_cache_root(), self._cache_key(), sizes)
+        self.cache = cache
+        self._check_host(tier, host_mem_gb, sizes, budget, cache, disk_free, on_disk)
+        if cache is not None and not on_disk and cache.missing_bytes():
+            free = (disk_free or _disk_free)(cache.root)
+            if free < cache.missing_bytes():  # a convenience cache only: the run does not need it
+                warnings.warn(
+                    f"not writing the layer cache to {cache.path}: it needs {_gib(cache.missing_bytes())} and "
+                    f"the disk has {_gib(free)} free. The store stays in RAM.", stacklevel=3,
+                )
+                self.cache = cache = None
+        if on_disk:
+            logger.warning(
+                "deg_hf: %d of %d decoder layers (%s of %s) do not fit the host-memory budget of %s and "
+                "stream from the layer cache at %s (%s).", len(on_disk), len(sizes),
+                _gib(sum(sizes[i] for i in on_disk)), _gib(sum(sizes)), _gib(budget), cache.path,
+                tiers.describe_placement(self.placement),
+            )
+
+        self.flat: list[torch.Tensor | None] = [
+            self._allocate(lay.nbytes, want_pin) if where == "ram" else None
+            for lay, where in zip(self.layouts, self.placement)
+        ]
+        scratch = torch.empty(max((sizes[i] for i in on_disk), default=0), dtype=torch.uint8)
+        stale = self._read_back(cache, scratch) if cache is not None else list(range(self.n_layers))
+        if stale:
+            if cache is not None:
+                cache.begin()
+            self._fill(stale, cache, scratch, progress)
+            if cache is not None:
+                cache.finish()
+        del scratch
         self._release_source()
-        if cached:
-            self._write_cache(cached)
+        if on_disk:
+            self.disk = tiers.DiskTier(cache, on_disk, ring=ring, pin=want_pin)
 
     # -- construction helpers
     def _layout(self, keys: dict[str, str], quantize: set[str]) -> LayerLayout:
@@ -201,6 +254,7 @@ class WeightStore:
             shape, src_dtype = self.source.meta(key)
             if q.prequantized_state_key(self.source, key) is not None:
                 meta = q.read_prequantized_meta(self.source, key)
+                self._prequantized = True
             elif local in quantize:
                 meta = q.QuantMeta(tuple(shape), self.dtype, self.quant.quant_type, self.quant.blocksize,
                                    self.quant.double)
@@ -215,6 +269,36 @@ class WeightStore:
             layout.quantized = quantized
             layout.compute = LayerLayout.build((n, m.shape, self.dtype) for n, m in quantized.items())
         return layout
+
+    def _cache_key(self) -> str:
+        """Every setting that changes the stored bytes: source fingerprint, dtype, 4-bit settings."""
+        dtype = str(self.dtype).replace("torch.", "")
+        tag = "".join(sorted({f"-{m.quant_type}-b{m.blocksize}-{'dq' if m.nested else 'sq'}"
+                              for lay in self.layouts for m in lay.quantized.values()}))
+        if self.quant is not None and self.quant.skip_modules is not None:
+            tag += "-skip" + ",".join(sorted(self.quant.skip_modules))
+        return f"{self.fingerprint}-{dtype}{tag}"
+
+    def _check_host(self, tier, host_mem_gb, sizes, budget, cache, disk_free, on_disk) -> None:
+        total = sum(sizes)
+        if tier == "ram" and total > budget:
+            raise StreamingError(
+                f"the layer store needs {_gib(total)} of host memory and stream_tier='ram' allows "
+                f"{_gib(budget)} ({'host_mem_gb' if host_mem_gb is not None else 'available memory less a margin'}). "
+                "Use stream_tier='auto' to stream the layers that do not fit from disk, raise host_mem_gb, "
+                "or use stream_quantization='nf4' (a quarter of the bf16 bytes)."
+            )
+        if not on_disk:
+            return
+        need, free = cache.missing_bytes(), (disk_free or _disk_free)(cache.root)
+        if need > free:
+            in_ram = sum(n for n, where in zip(sizes, self.placement) if where == "ram")
+            raise StreamingError(
+                f"the layer store ({_gib(total)}) fits neither tier: host memory holds {_gib(in_ram)} of it "
+                f"(budget {_gib(budget)}), and the layer cache at {cache.path} needs {_gib(need)} of disk where "
+                f"{_gib(free)} is free. Free disk space or point stream_cache_dir at a larger drive, raise "
+                "host_mem_gb, or use stream_quantization='nf4' (a quarter of the bf16 bytes)."
+            )
 
     def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
         if pin:
@@ -231,32 +315,45 @@ class WeightStore:
                 )
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def _fill(self, progress: bool) -> None:
-        wanted: dict[str, tuple[int, str]] = {}
-        for i, keys in enumerate(self.layer_keys):
-            for local, key in keys.items():
-                wanted[key] = (i, local)
+    def _read_back(self, cache: LayerCache, scratch: torch.Tensor) -> list[int]:
+        """Fill the RAM blocks from a complete cache and check the disk blocks' checksums; the layers
+        whose bytes cannot be trusted (all of them without a complete cache)."""
+        if not cache.manifest_ok:
+            return list(range(self.n_layers))
+        stale = []
+        for i, where in enumerate(self.placement):
+            ok = cache.read_layer(i, self.flat[i]) if where == "ram" else cache.verify_layer(i, scratch)
+            if not ok:
+                stale.append(i)
+        if stale:
+            logger.warning(
+                "deg_hf: %d layer file(s) of the cache at %s do not match their checksums (first: %s); "
+                "rebuilding them from the checkpoint.", len(stale), cache.path, cache.layer_path(stale[0]),
+            )
+        return stale
+
+    def _fill(self, layers: list[int], cache: LayerCache | None, scratch: torch.Tensor, progress: bool) -> None:
+        """Read (and quantize) ``layers`` from the source, one layer at a time; write each to the cache."""
         desc = "quantizing layers into host memory" if self.quantized else "loading layers into host memory"
-        bar = _progress(total=sum(lay.nbytes for lay in self.layouts), enabled=progress, desc=desc)
-        views = [lay.views(flat) for lay, flat in zip(self.layouts, self.flat)]
-        for key in self.source.keys():  # the source's own order: sequential reads
-            if key not in wanted:
-                continue
-            i, local = wanted[key]
+        bar = _progress(total=sum(self.layouts[i].nbytes for i in layers), enabled=progress, desc=desc)
+        for i in layers:
             layout = self.layouts[i]
-            meta = layout.quantized.get(local)
-            if meta is None:
-                dst = views[i][local]
-                got = self.source.read(key, out=dst)
-                if got.data_ptr() != dst.data_ptr():
-                    dst.copy_(got.view(dst.shape))
-                bar.update(dst.nbytes)
-            elif q.prequantized_state_key(self.source, key) is not None:
-                q.read_prequantized_into(self.source, key, local, meta, views[i])
-                bar.update(sum(views[i][n].nbytes for n, *_ in q.piece_entries(local, meta)))
-            else:
-                self._quantize(self.source.read(key), local, meta, views[i])
-                bar.update(sum(views[i][n].nbytes for n, *_ in q.piece_entries(local, meta)))
+            block = self.flat[i] if self.flat[i] is not None else scratch[: layout.nbytes]
+            views = layout.views(block)
+            for local, key in self.layer_keys[i].items():
+                meta = layout.quantized.get(local)
+                if meta is None:
+                    dst = views[local]
+                    got = self.source.read(key, out=dst)
+                    if got.data_ptr() != dst.data_ptr():
+                        dst.copy_(got.view(dst.shape))
+                elif q.prequantized_state_key(self.source, key) is not None:
+                    q.read_prequantized_into(self.source, key, local, meta, views)
+                else:
+                    self._quantize(self.source.read(key), local, meta, views)
+            if cache is not None:
+                cache.write_layer(i, block)
+            bar.update(layout.nbytes)
         bar.close()
 
     def _quantize(self, weight: torch.Tensor, local: str, meta: q.QuantMeta, views: dict) -> None:
@@ -274,34 +371,6 @@ class WeightStore:
         if callable(close):
             close()
 
-    def _cache_path(self, cache_dir: str | None) -> str | None:
-        if not cache_dir:
-            return None
-        dtype = str(self.dtype).replace("torch.", "")
-        tag = "".join(sorted({f"-{m.quant_type}-b{m.blocksize}-{'dq' if m.nested else 'sq'}"
-                              for lay in self.layouts for m in lay.quantized.values()}))
-        if self.quant is not None and self.quant.skip_modules is not None:
-            tag += "-skip" + ",".join(sorted(self.quant.skip_modules))
-        return os.path.join(cache_dir, f"{self.fingerprint}-{dtype}{tag}")
-
-    def _read_cache(self, path: str) -> bool:
-        for i, flat in enumerate(self.flat):
-            fname = os.path.join(path, f"layer-{i:05d}.bin")
-            if not os.path.exists(fname) or os.path.getsize(fname) != flat.numel():
-                return False
-        for i, flat in enumerate(self.flat):
-            with open(os.path.join(path, f"layer-{i:05d}.bin"), "rb") as fh:
-                fh.readinto(memoryview(flat.numpy()))
-        return True
-
-    def _write_cache(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
-        for i, flat in enumerate(self.flat):
-            tmp = os.path.join(path, f".layer-{i:05d}.bin.tmp")
-            with open(tmp, "wb") as fh:
-                fh.write(memoryview(flat.numpy()))
-            os.replace(tmp, os.path.join(path, f"layer-{i:05d}.bin"))
-
     # -- use
     @property
     def n_layers(self) -> int:
@@ -309,7 +378,12 @@ class WeightStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(f.numel() for f in self.flat)
+        """The whole store's bytes, in RAM and on disk."""
+        return sum(lay.nbytes for lay in self.layouts)
+
+    @property
+    def ram_bytes(self) -> int:
+        return sum(f.numel() for f in self.flat if f is not None)
 
     @property
     def max_layer_bytes(self) -> int:
@@ -329,14 +403,44 @@ class WeightStore:
             total += plain + lay.compute_bytes
         return total
 
-    def block(self, i: int) -> torch.Tensor:
-        """Layer ``i``'s flat host block."""
-        return self.flat[i]
+    def block(self, i: int, ahead: list[int] = ()) -> torch.Tensor:
+        """Layer ``i``'s flat host block. A disk layer comes from the loader's staging ring (waiting
+        for it if needed; ``ahead`` lists the layers expected next) and must be :meth:`release`-d."""
+        if self.flat[i] is not None:
+            return self.flat[i]
+        return self.disk.acquire(i, list(ahead))
+
+    def release(self, i: int, after=None) -> None:
+        """Done copying layer ``i``'s block (``after``: the CUDA event that ends the copy)."""
+        if self.disk is not None and self.flat[i] is None:
+            self.disk.release(i, after)
+
+    def ready(self, i: int) -> bool:
+        """Whether layer ``i``'s block can be had without waiting for the disk."""
+        return self.flat[i] is not None or self.disk.ready(i)
+
+    def prefetch(self, layers: list[int]) -> None:
+        if self.disk is not None:
+            self.disk.prefetch(layers)
 
     def host_views(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer ``i``'s full-precision tensors, as views of the host block (4-bit weights left out:
-        they exist only packed)."""
+        """Layer ``i``'s full-precision tensors held in RAM, as views of its block (4-bit weights and
+        layers on disk left out: they exist only packed, or only in their file)."""
+        if self.flat[i] is None:
+            return {}
         return self.layouts[i].plain_views(self.flat[i])
+
+    def tier_stats(self) -> dict:
+        in_ram = [i for i, where in enumerate(self.placement) if where == "ram"]
+        out = {
+            "placement": tiers.describe_placement(self.placement),
+            "host_budget_bytes": self.host_budget,
+            "ram": {"layers": len(in_ram), "bytes": sum(self.layouts[i].nbytes for i in in_ram)},
+            "disk": self.disk.stats() if self.disk is not None else {"layers": 0, "bytes": 0},
+        }
+        if self.cache is not None:
+            out["cache_dir"] = self.cache.path
+        return out
 
     def quantization(self) -> dict | None:
         """What deg.json records of the 4-bit storage (None when nothing is quantized)."""
@@ -352,11 +456,29 @@ class WeightStore:
             "quantized_from": str(first.dtype).replace("torch.", ""),
             "compute_dtype": str(self.dtype).replace("torch.", ""),
             "weights_per_layer": len(self.layouts[0].quantized),
-            "prequantized": self.quant is None,
+            "prequantized": self._prequantized,
         }
 
     def close(self) -> None:
-        self.flat = []
+        """Stop the disk loader, close its files, free the RAM blocks. Idempotent."""
+        if self.disk is not None:
+            self.disk.close()
+        self.flat = [None] * len(self.layouts)
+
+
+def _disk_free(path: str) -> int:
+    """Free bytes on the drive that holds ``path`` (or would: the nearest existing parent)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    return shutil.disk_usage(probe).free
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 class _NoBar:

@@ -195,6 +195,8 @@ class StreamingSetupMixin:
             revision=init_kwargs.get("revision"),
             progress=not getattr(args, "disable_tqdm", False),
             quantization=spec,
+            tier=settings.stream_tier,
+            host_mem_gb=settings.host_mem_gb,
         )
         self.stream_runtime = runtime
         compute = quant.compute_dtype_of(quantization_config)
