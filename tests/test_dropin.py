@@ -332,3 +332,13 @@ def test_loaded_model_streams_4bit_to_the_same_bytes_as_its_files(checkpoint, tm
         got, want = a.layouts[i].views(a.block(i)), b.layouts[i].views(b.block(i))
         assert got.keys() == want.keys() and any("absmax" in k or "quant" in k for k in got)
         assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_loaded_model_with_the_disk_tier_is_refused_and_left_whole(checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint("llama")
+    obj = AutoModelForCausalLM.from_pretrained(path)
+    with pytest.raises(ValueError, match="stream_tier='disk'.*already loaded"):
+        make("sft", path, tmp_path, stream=True, model=obj, stream_tier="disk")
+    assert not any(p.is_meta for p in obj.parameters())  # refused before any tensor moved

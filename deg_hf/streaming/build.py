@@ -9,6 +9,8 @@ final norm, LM head) is loaded resident on the device; the decoder layers' weigh
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -17,6 +19,7 @@ from deg_hf.streaming.quant import QuantSpec, bnb_config_dict, method_of
 from deg_hf.streaming.runtime import StreamRuntime
 from deg_hf.streaming.sources import ModuleSource
 from deg_hf.streaming.store import StreamingError, WeightStore, resolve_checkpoint, safetensors_files
+from deg_hf.streaming.tiers import host_budget
 
 
 def default_device() -> torch.device:
@@ -139,8 +142,9 @@ def stream_loaded_model(
     weights are moved into the one :class:`WeightStore` (and freed from the module as they go), the
     layers are attached to the runtime, and everything else (embeddings, final norm, LM head, any
     adapter) stays a resident tensor, moved to ``device``. The store keeps the object's dtype and its
-    in-memory values, and nothing is read from disk. A dispatched (``device_map``) or quantized
-    object is refused: its weights are spread over devices or packed by another library."""
+    in-memory values, and nothing is read from disk; its blocks live in RAM (where the object's
+    tensors were). A dispatched (``device_map``) or quantized object is refused: its weights are
+    spread over devices or packed by another library."""
     if stream_buffers < 1:
         raise ValueError(f"stream_buffers must be >= 1 (one layer on the device at a time), got {stream_buffers}")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -171,9 +175,14 @@ def stream_loaded_model(
     if quantization is not None:
         quantize = [{store_name(n) for n in names}
                     for names in quantized_weight_names(base, prefix, layers, quantization)]
+    # the blocks take the place of the tensors the fill frees: the object's own bytes count as free
+    # host memory, so a model that was loaded fits in RAM again (never the disk tier, which is keyed
+    # by files on disk)
+    moved = sum(math.prod(shape) * dtype_.itemsize + 64 for shape, dtype_ in map(source.meta, source.keys()))
     store = WeightStore(
         source, layer_keys, dtype, quant=quantization, quantize=quantize, progress=progress,
         quantize_device=device if device.type == "cuda" else None,
+        tier="ram", host_mem_gb=(host_budget(None) + moved) / 2**30,
     )
     runtime = StreamRuntime(store, device, stream_buffers)
     for i, layer in enumerate(layers):

@@ -169,6 +169,12 @@ class StreamingSetupMixin:
             if isinstance(model, PeftModel):
                 for adapter_config in model.peft_config.values():
                     _refuse_base_reading_peft(adapter_config, created=True)
+            if getattr(settings, "stream_tier", "auto") == "disk":
+                raise ValueError(
+                    "stream_tier='disk' streams layers from a cache of checkpoint files, but this model is "
+                    "already loaded: its tensors move into a store in RAM, where they already are. Pass its "
+                    "Hub id or path to stream from disk, or leave stream_tier at 'auto'."
+                )
             model, self.stream_runtime = stream_loaded_model(
                 model, device=args.device, stream_buffers=settings.stream_buffers,
                 progress=not getattr(args, "disable_tqdm", False), quantization=quant.resolve_spec(settings, None),
