@@ -51,7 +51,8 @@ def test_stand_ins_load_offline_under_their_hub_ids(tmp_path):
     """In a fresh interpreter (the Hub libraries read HF_HOME at import): the tiny Qwen2 and its
     chat-template tokenizer load by Hub id, the byte-level tokenizer round-trips any text, and the
     zen splits are 17 + 2 rows."""
-    env = {**os.environ, **standins.write_all(str(tmp_path))}
+    env = {**os.environ, **standins.environment(str(tmp_path))}
+    assert standins.write_all(str(tmp_path)) == standins.environment(str(tmp_path))
     args = [sys.executable, "-c", _LOAD_CHILD, COMPAT, env["DEG_COMPAT_DATASETS"]]
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -162,21 +162,27 @@ def write_qwen2(hf_home: str, seed: int = 0) -> str:
     return snapshot
 
 
-def write_all(directory: str) -> dict[str, str]:
-    """Write every stand-in under ``directory``; returns the environment that makes them visible."""
-    hf_home = os.path.join(directory, "hf_home")
-    marker = os.path.join(directory, ".complete")
-    if not os.path.exists(marker):
-        write_qwen2(hf_home)
-        write_datasets(os.path.join(directory, "datasets"))
-        open(marker, "w").close()
+def environment(directory: str) -> dict[str, str]:
+    """The environment that makes the stand-ins under ``directory`` visible, offline. The Hub
+    libraries read it when they are first imported: set it before importing them."""
     return {
-        "HF_HOME": hf_home,
+        "HF_HOME": os.path.join(directory, "hf_home"),
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "DEG_COMPAT_DATASETS": os.path.join(directory, "datasets"),
     }
+
+
+def write_all(directory: str) -> dict[str, str]:
+    """Write every stand-in under ``directory`` (once); returns :func:`environment`."""
+    env = environment(directory)
+    marker = os.path.join(directory, ".complete")
+    if not os.path.exists(marker):
+        write_qwen2(env["HF_HOME"])
+        write_datasets(env["DEG_COMPAT_DATASETS"])
+        open(marker, "w").close()
+    return env
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ if MODE not in ("plain", "resident", "streamed"):
     raise pytest.UsageError(f"DEG_COMPAT_MODE must be plain, resident or streamed, got {MODE!r}")
 _STANDINS = os.environ.get("DEG_COMPAT_STANDINS")
 if _STANDINS:
-    # before huggingface_hub, transformers or datasets read their settings
-    os.environ.update(standins.write_all(_STANDINS))
+    # before huggingface_hub, transformers or datasets are imported (writing the stand-ins imports
+    # them): they read these settings once, at import
+    os.environ.update(standins.environment(_STANDINS))
+    standins.write_all(_STANDINS)
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
