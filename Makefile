@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # On a GPU machine: make demo TORCH_SPEC="torch" (or any CUDA build you prefer).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint venv install install-test clean
+.PHONY: demo test lint compat compat-args venv install install-test clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,18 @@ lint: $(VENV)/.installed-test
 
 test: $(VENV)/.installed-test lint
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest tests
+
+# TRL's own DPO and KTO test files, unchanged and offline, against plain TRL (the baseline), deg_hf
+# resident and deg_hf streamed: make compat TRL_TESTS=/path/to/trl/tests (a TRL checkout's tests/).
+$(VENV)/.installed-compat: $(VENV)/.installed-test
+	$(PY) -m pip install -q -e ".[compat]"
+	touch $@
+
+compat-args:
+	@test -n "$(TRL_TESTS)" || { echo "usage: make compat TRL_TESTS=/path/to/trl/tests"; exit 2; }
+
+compat: compat-args $(VENV)/.installed-compat
+	HF_HUB_OFFLINE=1 $(PY) scripts/compat/run.py --trl-tests "$(TRL_TESTS)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_output

@@ -1,8 +1,8 @@
 """Model cards and pushing checkpoints to the Hugging Face Hub.
 
 ``push_checkpoint`` uploads a deliberately short list of files from a checkpoint directory: the
-adapter, the tokenizer, ``deg.json``, a ``README.md`` model card written from it and the training
-log; optimizer, scheduler and RNG state only on request; ``training_args.bin`` (a pickle of the
+adapter (a full fine-tune's model files instead), the tokenizer, ``deg.json``, a ``README.md`` model
+card written from it and the training log; optimizer, scheduler and RNG state only on request; ``training_args.bin`` (a pickle of the
 arguments, Hub token included) never. Everything is checked before the first remote call: the repo
 id, the record, the adapter weights, and that no file to upload holds a Hub token or a local path or
 is a symlink out of the checkpoint. The card is rendered into the upload: a push never writes to
@@ -24,6 +24,7 @@ from typing import Any
 from deg_hf.checkpoint import (
     ADAPTER_WEIGHT_FILES,
     DEG_JSON,
+    FULL_MODEL_WEIGHT_FILES,
     LOCAL_PREFIX,
     TOKENIZER_FILES,
     DegJsonError,
@@ -61,6 +62,8 @@ UPLOAD_FILES = (
     README,
     TRAIN_LOG,
 )
+#: uploaded in place of the adapter files when the checkpoint is a full fine-tune
+FULL_MODEL_FILES = (*FULL_MODEL_WEIGHT_FILES, "model-*.safetensors", "config.json", "generation_config.json")
 #: uploaded only with ``include_optimizer=True`` (names or glob patterns)
 OPTIMIZER_FILES = ("optimizer.pt", "scheduler.pt", "rng_state*.pth", "trainer_state.json")
 #: never uploaded, whatever the other lists say
@@ -136,9 +139,9 @@ def model_card(
 ):
     """A ``huggingface_hub.ModelCard`` describing the checkpoint recorded in ``record``.
 
-    The metadata names the base model (when it is a Hub id), ``library_name: peft``, the
-    ``text-generation`` pipeline, tags (``deg-hf``, the task, the adapter type, ``peft``, ``trl``) and
-    the dataset (when it is a Hub id). ``tokenizer_in_repo`` says whether the load snippet takes the
+    The metadata names the base model (when it is a Hub id), ``library_name: peft`` (``transformers``
+    for a full fine-tune), the ``text-generation`` pipeline, tags (``deg-hf``, the task, the adapter
+    type and ``peft``, or ``full-fine-tune``, and ``trl``) and the dataset (when it is a Hub id). ``tokenizer_in_repo`` says whether the load snippet takes the
     tokenizer from the adapter repo or from the base model.
     """
     from huggingface_hub import ModelCard, ModelCardData
@@ -148,16 +151,17 @@ def model_card(
     base = record.get("base_model") or {}
     base_name = str(base.get("name_or_path"))
     base_id = _hub_id(base_name)
+    full = record.get("peft", {}) is None  # a full fine-tune: the checkpoint holds every weight
     peft = record.get("peft") or {}
     peft_type = str(peft.get("type") or "LORA")
     data = record.get("data") or {}
     data_name = data.get("name_or_path") or data.get("name")
     data_id = _hub_id(data_name, data=True)
 
-    tags = ["deg-hf", task, peft_type.lower(), "peft", "trl"]
+    tags = ["deg-hf", task, "full-fine-tune", "trl"] if full else ["deg-hf", task, peft_type.lower(), "peft", "trl"]
     card_data = ModelCardData(
         base_model=base_id,
-        library_name="peft",
+        library_name="transformers" if full else "peft",
         pipeline_tag="text-generation",
         tags=list(dict.fromkeys(tags)),
         datasets=[data_id] if data_id else None,
@@ -203,8 +207,10 @@ def model_card(
     sizes = data.get("sizes")
     sizes_text = ", ".join(f"{v} {k} examples" for k, v in sizes.items()) if isinstance(sizes, Mapping) else ""
     load_id = repo_id or "<repo_id>"
-    title = repo_id.split("/")[-1] if repo_id else f"{base_name.split('/')[-1]} {task.upper()} {peft_type} adapter"
+    kind = "full fine-tune" if full else f"{peft_type} adapter"
+    title = repo_id.split("/")[-1] if repo_id else f"{base_name.split('/')[-1]} {task.upper()} {kind}"
     kwargs = {
+        "full_fine_tune": full,
         "title": title,
         "task": task,
         "task_upper": task.upper(),
@@ -261,10 +267,13 @@ def write_model_card(
 # ----------------------------------------------------------------------------------------------------
 
 
-def select_upload_files(checkpoint_dir: str | os.PathLike, *, include_optimizer: bool = False) -> list[str]:
-    """Names of the top-level files of ``checkpoint_dir`` that a push uploads, sorted."""
+def select_upload_files(checkpoint_dir: str | os.PathLike, *, include_optimizer: bool = False,
+                        full: bool = False) -> list[str]:
+    """Names of the top-level files of ``checkpoint_dir`` that a push uploads, sorted (with
+    ``full=True``, a full fine-tune's model files too)."""
     directory = Path(checkpoint_dir)
     allowed = list(UPLOAD_FILES) + (list(OPTIMIZER_FILES) if include_optimizer else [])
+    allowed += list(FULL_MODEL_FILES) if full else []
     chosen = []
     for path in sorted(directory.iterdir()):
         if not path.is_file() or path.name in NEVER_UPLOAD:
@@ -501,12 +510,13 @@ def push_checkpoint(
     _validate_repo_id(repo_id)
     directory = Path(checkpoint_dir)
     record = read_deg_json(directory)
-    check_checkpoint(directory)
-    if not (directory / "adapter_config.json").is_file():
+    full = record.get("peft", {}) is None
+    check_checkpoint(directory, full=full)
+    if not full and not (directory / "adapter_config.json").is_file():
         raise DegJsonError(f"{directory} has adapter weights but no adapter_config.json: PEFT cannot load it")
     card = model_card(record, repo_id=repo_id, tokenizer_in_repo=_has_tokenizer(directory))
     contents = {README: str(card).encode("utf-8")}
-    files = sorted(set(select_upload_files(directory, include_optimizer=include_optimizer)) | {README})
+    files = sorted(set(select_upload_files(directory, include_optimizer=include_optimizer, full=full)) | {README})
     scan_for_secrets(directory, files, token=token, contents=contents)
 
     from huggingface_hub import CommitOperationAdd, HfApi
@@ -516,7 +526,8 @@ def push_checkpoint(
         CommitOperationAdd(path_in_repo=name, path_or_fileobj=contents.get(name, str(directory / name)))
         for name in files
     ]
-    message = commit_message or f"Upload {record['task'].upper()} adapter trained with deg_hf"
+    kind = "full fine-tune" if full else "adapter"
+    message = commit_message or f"Upload {record['task'].upper()} {kind} trained with deg_hf"
     try:
         repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         full_id = getattr(repo_url, "repo_id", None) or repo_id

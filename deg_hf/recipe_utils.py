@@ -187,8 +187,11 @@ def print_summary(trainer, accuracy: tuple | None = None) -> None:
     elif sharing and sharing.get("fallbacks"):
         rows.append(("prefix sharing", "off: " + "; ".join(sharing["fallbacks"])))
     if trainer.deg_task in ("dpo", "kto"):
-        rows.append(("reference model", f"same base, adapter disabled (ref_model is None: {trainer.ref_model is None})"))
-    rows += [("checkpoint", f"{os.path.abspath(out)} (adapter, deg.json, README.md)"),
+        reference = ("same base, adapter disabled (ref_model is None: True)" if trainer.ref_model is None
+                     else "TRL's reference model, a frozen copy (full fine-tune)")
+        rows.append(("reference model", reference))
+    saved = "model" if record.get("fine_tuning") == "full" else "adapter"
+    rows += [("checkpoint", f"{os.path.abspath(out)} ({saved}, deg.json, README.md)"),
              ("plot", plot), ("wall time (after imports)", f"{time.perf_counter() - _STARTED:.1f} s")]
     width = max(len(k) for k, _ in rows)
     rule = " " + "-" * (width + 50)

@@ -9,8 +9,9 @@ The reference model is the same streamed base with the adapter disabled: no seco
 
 With no --model_name_or_path the tiny model shipped in deg_hf is used; with no --dataset_name the
 embedded "preference" view (prompt/chosen/rejected). Without --use_peft deg_hf trains its default
-LoRA adapter. --summary measures held-out reward accuracy before and after training and ends with
-a summary table and OUTPUT_DIR/run.png (`make demo`: dpo.yaml, --stream_buffers 1 --summary true).
+LoRA adapter (streamed; with --stream_layers false every weight trains, as in TRL's script).
+--summary measures held-out reward accuracy before and after training and ends with a summary table
+and OUTPUT_DIR/run.png (`make demo`: dpo.yaml, --stream_buffers 1 --summary true).
 """
 
 from trl import get_peft_config
@@ -29,7 +30,7 @@ def main(argv=None):
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
-        peft_config=get_peft_config(model_args),  # None: deg_hf's default LoRA
+        peft_config=get_peft_config(model_args),  # None: deg_hf's default LoRA streamed, a full fine-tune resident
     )
     before = reward_accuracy(trainer) if script_args.summary else None  # untrained: 0.5, policy == reference
     trainer.train(resume_from_checkpoint=resume_from(training_args))  # true: newest complete checkpoint

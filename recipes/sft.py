@@ -6,7 +6,8 @@
         --use_peft --lora_r 16 --output_dir outputs/qwen-sft
 
 With no --model_name_or_path the tiny model shipped in deg_hf is used; with no --dataset_name the
-embedded "sft" view (chat messages). Without --use_peft deg_hf trains its default LoRA adapter.
+embedded "sft" view (chat messages). Without --use_peft deg_hf trains its default LoRA adapter
+(streamed; with --stream_layers false every weight trains, as in TRL's script).
 """
 
 from trl import get_peft_config
@@ -25,7 +26,7 @@ def main(argv=None):
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
-        peft_config=get_peft_config(model_args),  # None: deg_hf's default LoRA
+        peft_config=get_peft_config(model_args),  # None: deg_hf's default LoRA streamed, a full fine-tune resident
     )
     trainer.train(resume_from_checkpoint=resume_from(training_args))  # true: newest complete checkpoint
     trainer.save_model()  # adapter + deg.json + README card

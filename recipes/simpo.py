@@ -9,7 +9,7 @@ SimPOConfig defaults to loss_type="simpo", cpo_alpha=0, beta=2.0 and simpo_gamma
 
 With no --model_name_or_path the tiny model shipped in deg_hf is used; with no --dataset_name the
 embedded "preference" view (prompt/chosen/rejected). Without --use_peft deg_hf trains its default
-LoRA adapter.
+LoRA adapter (streamed; with --stream_layers false every weight trains, as in TRL's script).
 """
 
 from trl import get_peft_config
@@ -28,7 +28,7 @@ def main(argv=None):
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
-        peft_config=get_peft_config(model_args),  # None: deg_hf's default LoRA
+        peft_config=get_peft_config(model_args),  # None: deg_hf's default LoRA streamed, a full fine-tune resident
     )
     trainer.train(resume_from_checkpoint=resume_from(training_args))  # true: newest complete checkpoint
     trainer.save_model()  # adapter + deg.json + README card

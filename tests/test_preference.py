@@ -258,25 +258,7 @@ def test_plain_dpo_config_is_a_drop_in(checkpoint, tmp_path):
     trainer.train()
 
 
-def test_explicit_ref_model_is_refused_under_streaming(checkpoint, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    path = checkpoint("llama")
-    with pytest.raises(ValueError, match="same streamed base with the adapter disabled"):
-        build_with = dict(ref_model=AutoModelForCausalLM.from_pretrained(path))
-        from datasets import Dataset
-
-        from deg_hf import StreamedDPOConfig, StreamedDPOTrainer
-
-        StreamedDPOTrainer(
-            model=path,
-            args=StreamedDPOConfig(**trainer_kwargs(str(tmp_path))),
-            train_dataset=Dataset.from_list(pref_rows(4)),
-            **build_with,
-        )
-
-
-def test_peft_model_is_refused_streamed_and_keeps_trl_ref_adapter_resident(checkpoint, tmp_path):
+def test_peft_model_keeps_trl_ref_adapter_resident(checkpoint, tmp_path):
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -285,8 +267,6 @@ def test_peft_model_is_refused_streamed_and_keeps_trl_ref_adapter_resident(check
 
     path = checkpoint("llama")
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**LORA))
-    with pytest.raises(ValueError, match="PeftModel cannot be streamed"):
-        StreamedDPOTrainer(model=peft_model, args=StreamedDPOConfig(**trainer_kwargs(str(tmp_path))))
     trainer = StreamedDPOTrainer(
         model=peft_model,
         args=StreamedDPOConfig(**trainer_kwargs(str(tmp_path), stream_layers=False, max_length=32)),

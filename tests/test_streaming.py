@@ -269,7 +269,7 @@ def test_resident_trainer_has_no_runtime_and_release_is_a_noop(checkpoint, tmp_p
     trainer.release_stream()
 
 
-def test_plain_sft_config_is_accepted_with_stream_defaults(checkpoint, tmp_path):
+def test_plain_sft_config_is_accepted_with_stream_defaults(checkpoint, tmp_path, caplog):
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import SFTConfig
@@ -277,16 +277,26 @@ def test_plain_sft_config_is_accepted_with_stream_defaults(checkpoint, tmp_path)
     from deg_hf import StreamedSFTTrainer
 
     path = checkpoint("llama")
-    with pytest.warns(UserWarning, match="default LoRA"):
+    with caplog.at_level("WARNING", logger="deg_hf"):
         trainer = StreamedSFTTrainer(
             model=path,
             args=SFTConfig(**trainer_kwargs(str(tmp_path), max_length=32, max_steps=1)),
             train_dataset=Dataset.from_list(sft_rows(4)),
             processing_class=AutoTokenizer.from_pretrained(path),
         )
+    # the default LoRA is announced once, saying why (a streamed base stays frozen) and how to choose
+    announced = [r.getMessage() for r in caplog.records if "default LoRA" in r.getMessage()]
+    assert len(announced) == 1 and "streamed base stays frozen" in announced[0]
     assert trainer.stream_runtime is not None and trainer.deg_stream.stream_buffers == 2
     assert trainer.deg_default_lora
     trainer.train()
+    trainer.save_model()
+    from deg_hf.checkpoint import read_deg_json
+
+    record = read_deg_json(tmp_path)
+    assert record["fine_tuning"] == "adapter" and record["peft"]["default_lora_applied"] is True
+    assert any("default LoRA" in note for note in record["notes"])
+    assert "deg_hf's default LoRA" in (tmp_path / "README.md").read_text()
 
 
 def test_streamed_trainer_on_plain_trainer(checkpoint, tmp_path):
@@ -382,24 +392,6 @@ def test_base_reading_peft_variants_are_refused_by_name(checkpoint, tmp_path, pe
             peft_config=LoraConfig(target_modules="all-linear", **peft_kwargs),
         )
     assert store.CONSTRUCTED == before  # refused before any weight was read
-
-
-def test_loaded_model_is_rebuilt_streamed_from_its_files(checkpoint, tmp_path):
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from deg_hf import StreamedSFTConfig, StreamedSFTTrainer
-
-    path = checkpoint("llama")
-    loaded = AutoModelForCausalLM.from_pretrained(path)
-    trainer = StreamedSFTTrainer(
-        model=loaded,
-        args=StreamedSFTConfig(**trainer_kwargs(str(tmp_path), max_length=32, max_steps=1)),
-        train_dataset=Dataset.from_list(sft_rows(4)),
-        processing_class=AutoTokenizer.from_pretrained(path),
-    )
-    assert trainer.stream_runtime is not None
-    assert trainer.model.base_model.model is not loaded
 
 
 def test_streaming_under_fsdp_or_deepspeed_is_refused(checkpoint, tmp_path, monkeypatch):

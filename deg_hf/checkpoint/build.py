@@ -99,7 +99,8 @@ def make_record(
     """Build the ``deg.json`` content (JSON-native, redacted, not yet validated or written).
 
     ``base_model`` needs ``name_or_path`` and may give ``revision`` (the commit, when known) and
-    ``config_sha256`` (see :func:`config_sha256`). ``peft`` is a PEFT config or its ``to_dict()``.
+    ``config_sha256`` (see :func:`config_sha256`). ``peft`` is a PEFT config or its ``to_dict()``, or
+    None for a full fine-tune (every base weight trained).
     ``train_args`` is a dict or a ``TrainingArguments``-like dataclass: every argument is kept,
     values that are not JSON-native become ``str(value)``. ``versions`` entries override the
     collected ones.
@@ -123,7 +124,8 @@ def make_record(
         "deg_hf_version": __version__,
         "task": task_name,
         "base_model": base_entry,
-        "peft": _peft_summary(peft, default_lora_applied),
+        "fine_tuning": "full" if peft is None else "adapter",
+        "peft": None if peft is None else _peft_summary(peft, default_lora_applied),
         "train_args": _as_dict(train_args, "train_args"),
         "stream": None if stream is None else _as_dict(stream, "stream"),
         "memory": None if memory is None else _as_dict(memory, "memory"),

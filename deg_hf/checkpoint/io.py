@@ -17,6 +17,8 @@ DEG_JSON = "deg.json"
 READABLE_FORMAT_VERSIONS = (1,)
 TASKS = ("sft", "dpo", "kto", "orpo", "simpo")
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+#: what a full fine-tune's checkpoint holds instead (one file, or a sharded index)
+FULL_MODEL_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -189,11 +191,20 @@ def read_deg_json(path_or_dir: str | os.PathLike) -> dict:
     return record
 
 
-def check_checkpoint(directory: str | os.PathLike) -> Path:
-    """Raise :class:`DegJsonError` unless ``directory`` holds adapter weights; returns the weights file."""
+def check_checkpoint(directory: str | os.PathLike, *, full: bool = False) -> Path:
+    """Raise :class:`DegJsonError` unless ``directory`` holds adapter weights (with ``full=True``, a
+    full fine-tune's model weights); returns the weights file."""
     directory = Path(directory)
     if not directory.is_dir():
         raise DegJsonError(f"{directory} is not a directory: give the checkpoint directory")
+    if full:
+        for name in FULL_MODEL_WEIGHT_FILES:
+            if (directory / name).is_file() and (directory / "config.json").is_file():
+                return directory / name
+        raise DegJsonError(
+            f"{directory} is recorded as a full fine-tune but has no model weights and config.json "
+            f"({' or '.join(FULL_MODEL_WEIGHT_FILES)}); found: {_listing(directory)}"
+        )
     for name in ADAPTER_WEIGHT_FILES:
         if (directory / name).is_file():
             return directory / name

@@ -13,6 +13,7 @@ from deg_hf.checkpoint.build import config_sha256
 from deg_hf.checkpoint.io import (
     ADAPTER_WEIGHT_FILES,
     DEG_JSON,
+    FULL_MODEL_WEIGHT_FILES,
     TOKENIZER_FILES,
     DegJsonError,
     check_checkpoint,
@@ -20,7 +21,8 @@ from deg_hf.checkpoint.io import (
 )
 from deg_hf.checkpoint.redact import _WINDOWS_ABS_RE, LOCAL_PREFIX
 
-_DOWNLOAD_PATTERNS = [*ADAPTER_WEIGHT_FILES, "adapter_config.json", DEG_JSON, "README.md", *TOKENIZER_FILES]
+_DOWNLOAD_PATTERNS = [*ADAPTER_WEIGHT_FILES, "adapter_config.json", DEG_JSON, "README.md", *TOKENIZER_FILES,
+                      *FULL_MODEL_WEIGHT_FILES, "model-*.safetensors", "config.json", "generation_config.json"]
 
 
 def looks_like_repo_id(text: str) -> bool:
@@ -194,6 +196,23 @@ def _load_adapter_streamed(base, checkpoint: Path, device: Any):
     return model
 
 
+def _load_full(checkpoint: Path, streamed: bool | None, device: Any):
+    """A full fine-tune's checkpoint is a whole model: load it as it is (streamed on request)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_checkpoint(checkpoint, full=True)
+    if streamed:
+        from deg_hf.streaming.build import build_streamed_model
+
+        model, _ = build_streamed_model(str(checkpoint), device=device, progress=False)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+        if device is not None:
+            model = model.to(device)
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(str(checkpoint))
+
+
 def load(
     path_or_repo_id: str | os.PathLike,
     streamed: bool | None = None,
@@ -206,7 +225,8 @@ def load(
 ):
     """Load a deg_hf checkpoint (local directory or Hub repo id): returns ``(model, tokenizer)``.
 
-    The base model named in ``deg.json`` is loaded and the adapter applied with ``peft``:
+    The base model named in ``deg.json`` is loaded and the adapter applied with ``peft`` (a full
+    fine-tune's checkpoint, ``"peft": null``, is the whole model and is loaded as it is):
 
     * ``streamed=False``: resident, with ``AutoModelForCausalLM`` (on ``device`` when given, else
       where ``from_pretrained`` puts it).
@@ -224,6 +244,8 @@ def load(
     """
     checkpoint = _resolve_checkpoint(path_or_repo_id, revision, token)
     record = read_deg_json(checkpoint)
+    if record.get("peft", {}) is None:
+        return _load_full(checkpoint, streamed, device)
     check_checkpoint(checkpoint)
     base_name, base_is_local = _resolve_base(record, checkpoint, base_model)
     base_revision = None if base_is_local else record["base_model"].get("revision")

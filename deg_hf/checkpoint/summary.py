@@ -122,17 +122,20 @@ def summarize(record: Mapping[str, Any]) -> str:
         base_text += f" (config sha256 {str(base['config_sha256'])[:12]})"
     add("base model", base_text)
 
-    peft = record.get("peft") or {}
-    targets = peft.get("target_modules")
-    if isinstance(targets, list):
-        targets = ", ".join(targets)
-    adapter = (
-        f"{peft.get('type', 'LORA')} r={peft.get('r')} alpha={_fmt_number(peft.get('lora_alpha'))} "
-        f"dropout={_fmt_number(peft.get('lora_dropout'))} targets={targets}"
-    )
-    if peft.get("default_lora_applied"):
-        adapter += " (deg_hf default LoRA)"
-    add("adapter", adapter)
+    peft = record.get("peft")
+    if peft is None:
+        add("adapter", "none: a full fine-tune (every weight of the base trained)")
+    else:
+        targets = peft.get("target_modules")
+        if isinstance(targets, list):
+            targets = ", ".join(targets)
+        adapter = (
+            f"{peft.get('type', 'LORA')} r={peft.get('r')} alpha={_fmt_number(peft.get('lora_alpha'))} "
+            f"dropout={_fmt_number(peft.get('lora_dropout'))} targets={targets}"
+        )
+        if peft.get("default_lora_applied"):
+            adapter += " (deg_hf's default LoRA: no peft_config was given, and a streamed base stays frozen)"
+        add("adapter", adapter)
 
     data = record.get("data")
     if data:

@@ -9,6 +9,8 @@ final norm, LM head) is loaded resident on the device; the decoder layers' weigh
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -17,7 +19,9 @@ from deg_hf.streaming.checks import check_model_files
 from deg_hf.streaming.layer import attach, store_name
 from deg_hf.streaming.quant import QuantSpec, bnb_config_dict, method_of
 from deg_hf.streaming.runtime import StreamRuntime
+from deg_hf.streaming.sources import ModuleSource
 from deg_hf.streaming.store import StreamingError, WeightStore, resolve_checkpoint, safetensors_files
+from deg_hf.streaming.tiers import host_budget
 
 
 def default_device() -> torch.device:
@@ -126,6 +130,75 @@ def build_streamed_model(
     return model, runtime
 
 
+def stream_loaded_model(
+    model: nn.Module,
+    *,
+    device: torch.device | str | None = None,
+    stream_buffers: int = 2,
+    progress: bool = True,
+    quantization: QuantSpec | None = None,
+):
+    """Stream a model that is already in memory, as it is: return ``(model, runtime)``.
+
+    ``model`` is a causal LM or a ``PeftModel`` over one, changed in place: each decoder layer's base
+    weights are moved into the one :class:`WeightStore` (and freed from the module as they go), the
+    layers are attached to the runtime, and everything else (embeddings, final norm, LM head, any
+    adapter) stays a resident tensor, moved to ``device``. The store keeps the object's dtype and its
+    in-memory values, and nothing is read from disk; its blocks live in RAM (where the object's
+    tensors were). A dispatched (``device_map``) or quantized object is refused: its weights are
+    spread over devices or packed by another library."""
+    if stream_buffers < 1:
+        raise ValueError(f"stream_buffers must be >= 1 (one layer on the device at a time), got {stream_buffers}")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base, "hf_device_map", None):
+        raise StreamingError(
+            "the model was loaded with a device_map, so its weights are spread over devices by accelerate's "
+            "hooks and cannot be moved into the layer store. Load it without device_map (or pass its id)."
+        )
+    if getattr(base, "is_quantized", False) or getattr(base.config, "quantization_config", None):
+        raise StreamingError(
+            "the model was loaded quantized, so its weights are packed by the quantization library and cannot "
+            "be moved into the layer store as they are. Pass the unquantized model (or its id; "
+            "stream_quantization stores it 4-bit), or set stream_layers=False."
+        )
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cpu":
+        device = torch.device("cpu")  # see build_streamed_model
+    prefix, layers = find_decoder_layers(base)
+    source = ModuleSource((f"{prefix}.{i}", layer) for i, layer in enumerate(layers))
+    floating = [source.meta(k)[1] for k in source.keys() if source.meta(k)[1].is_floating_point]
+    dtype = floating[0] if floating else next(p.dtype for p in base.parameters() if p.is_floating_point())
+    width = len(prefix) + 1
+    layer_keys = [{} for _ in layers]
+    for key in source.keys():
+        index, _, local = key[width:].partition(".")
+        layer_keys[int(index)][store_name(local)] = key
+    quantize = None
+    if quantization is not None:
+        quantize = [{store_name(n) for n in names}
+                    for names in quantized_weight_names(base, prefix, layers, quantization)]
+    # the blocks take the place of the tensors the fill frees: the object's own bytes count as free
+    # host memory, so a model that was loaded fits in RAM again (never the disk tier, which is keyed
+    # by files on disk)
+    moved = sum(math.prod(shape) * dtype_.itemsize + 64 for shape, dtype_ in map(source.meta, source.keys()))
+    store = WeightStore(
+        source, layer_keys, dtype, quant=quantization, quantize=quantize, progress=progress,
+        quantize_device=device if device.type == "cuda" else None,
+        tier="ram", host_mem_gb=(host_budget(None) + moved) / 2**30,
+    )
+    runtime = StreamRuntime(store, device, stream_buffers)
+    for i, layer in enumerate(layers):
+        attach(layer, i, runtime)
+    if base is model:  # (a PeftModel already says what trains)
+        for name, p in base.named_parameters():
+            if not name.startswith(prefix + "."):
+                p.requires_grad_(False)  # the resident base parts stay frozen, as when built from files
+    model.to(device)
+    base._deg_stream_runtime = runtime
+    base._deg_layers_prefix = prefix
+    return model, runtime
+
+
 def check_prequantized(name_or_path: str, config) -> dict | None:
     """The ``quantization_config`` of a checkpoint saved 4-bit by bitsandbytes (None if unquantized);
     any other method is refused, saying what to pass instead."""
@@ -200,27 +273,36 @@ def _load_resident(model: nn.Module, directory: str, prefix: str, device, dtype)
 
 def materialize_adapters(model: nn.Module, device: torch.device | str) -> int:
     """Give PEFT adapter parameters created on ``meta`` (they follow the base layer's device) real
-    storage on ``device`` and initialise them with PEFT's own initialiser. Returns the number of
+    storage on ``device`` and initialise them with PEFT's own initialiser. Adapters that already
+    hold values (a ``PeftModel`` streamed as given) are left as they are. Returns the number of
     parameters materialised."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     count = 0
+    peft_config = getattr(model, "peft_config", None)
     for module in model.modules():
         if not isinstance(module, BaseTunerLayer):
             continue
-        metas = [n for n, p in module.named_parameters() if p.is_meta and "base_layer" not in n]
-        if not metas:
-            continue
-        for attr in module.adapter_layer_names:
-            container = getattr(module, attr, None)
-            if container is None:
-                continue
-            container.to_empty(device=device, recurse=True)
         for adapter in list(getattr(module, "r", {}).keys()):
+            containers = [c for c in (getattr(module, attr, None) for attr in module.adapter_layer_names)
+                          if isinstance(c, (nn.ModuleDict, nn.ParameterDict)) and adapter in c]
+            metas = 0
+            for container in containers:
+                piece = container[adapter]
+                if isinstance(piece, nn.Module):
+                    n_meta = sum(p.is_meta for p in piece.parameters())
+                    if n_meta:
+                        metas += n_meta
+                        piece.to_empty(device=device, recurse=True)
+                elif piece.is_meta:
+                    metas += 1
+                    container[adapter] = nn.Parameter(torch.empty_like(piece, device=device),
+                                                      requires_grad=piece.requires_grad)
+            if not metas:
+                continue
             init = True
-            peft_config = getattr(model, "peft_config", None)
             if isinstance(peft_config, dict) and adapter in peft_config:
                 init = peft_config[adapter].init_lora_weights
             module.reset_lora_parameters(adapter, init)
-        count += len(metas)
+            count += metas
     return count

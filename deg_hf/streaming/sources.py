@@ -189,3 +189,75 @@ class CheckpointSource:
             self.close()
         except Exception:  # interpreter shutdown
             pass
+
+
+class ModuleSource:
+    """The decoder-layer tensors of a model already in memory, *moved* into the store.
+
+    ``layers`` are ``(prefix, module)`` pairs (``("model.layers.0", layer)``); ``keys()`` names each
+    base tensor ``prefix.local_name`` as a checkpoint would. Adapter tensors injected by PEFT are not
+    base weights and are left out, and left in place. ``read`` hands out the module's own tensor and
+    then frees it from the module (the parameter is replaced by one on ``meta`` of the same shape and
+    dtype), so filling a store from a loaded model holds at most one extra tensor at a time and reads
+    nothing from disk. In-memory values (edits, a dtype chosen at load time) are what gets stored.
+
+    Its ``fingerprint`` is None: nothing on disk identifies the values, so no cache is keyed by them.
+    """
+
+    fingerprint = None
+    directory = None
+
+    def __init__(self, layers: Iterable[tuple[str, torch.nn.Module]]):
+        self._where: dict[str, tuple[torch.nn.Module, str]] = {}
+        for prefix, layer in layers:
+            adapters = _adapter_parameter_ids(layer)
+            for name, module in layer.named_modules():
+                for pname, p in module.named_parameters(recurse=False):
+                    if p is None or id(p) in adapters:
+                        continue
+                    key = f"{prefix}.{name}.{pname}" if name else f"{prefix}.{pname}"
+                    self._where[key] = (module, pname)
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def meta(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        module, name = self._where[key]
+        p = module._parameters[name]
+        return tuple(p.shape), p.dtype
+
+    def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        module, name = self._where[key]
+        p = module._parameters[name]
+        if p.is_meta:
+            raise SourceError(f"{key} has no values (it is on meta): the model was not fully loaded")
+        value = p.detach()
+        if out is not None and out.dtype == value.dtype and out.numel() == value.numel():
+            out.view(value.shape).copy_(value)
+            value = out
+        module._parameters[name] = torch.nn.Parameter(
+            torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False
+        )
+        return value
+
+    def close(self) -> None:
+        self._where = {}
+
+
+def _adapter_parameter_ids(layer: torch.nn.Module) -> set[int]:
+    """ids of the PEFT adapter parameters inside ``layer`` (every adapter, active or not)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # no PEFT: nothing was injected
+        return set()
+    ids = set()
+    for module in layer.modules():
+        if isinstance(module, BaseTunerLayer):
+            for attr in (*module.adapter_layer_names, *getattr(module, "other_param_names", ())):
+                container = getattr(module, attr, None)
+                if isinstance(container, torch.nn.Module):
+                    ids.update(id(p) for p in container.parameters())
+    return ids

@@ -18,12 +18,13 @@ from trl import KTOTrainer
 from deg_hf.trainers.mixin import StreamingSetupMixin
 
 
-def _adapters_disabled(model) -> bool:
+def _reference_adapters_on(model) -> bool:
+    """The PEFT model runs as its reference: adapters disabled, or TRL's frozen "ref" adapter active."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for module in model.modules():
         if isinstance(module, BaseTunerLayer):
-            return bool(module.disable_adapters)
+            return bool(module.disable_adapters) or list(module.active_adapters) == ["ref"]
     return False
 
 
@@ -80,9 +81,13 @@ class StreamedKTOTrainer(StreamingSetupMixin, KTOTrainer):
 
         out = {False: KTOTrainer._compute_kl_logps(self, model, batch)}
         if not self.precompute_ref_logps:
-            unwrapped = self.accelerator.unwrap_model(self.model)
-            with torch.no_grad(), use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-                out[True] = KTOTrainer._compute_kl_logps(self, self.model, batch)
+            with torch.no_grad():
+                if self.ref_model is not None:  # a full fine-tune (resident): TRL's own reference model
+                    out[True] = KTOTrainer._compute_kl_logps(self, self.ref_model, batch)
+                else:
+                    unwrapped = self.accelerator.unwrap_model(self.model)
+                    with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                        out[True] = KTOTrainer._compute_kl_logps(self, self.model, batch)
         return out
 
     def _deg_after_parts(self) -> None:
@@ -97,4 +102,6 @@ class StreamedKTOTrainer(StreamingSetupMixin, KTOTrainer):
     def _compute_kl_logps(self, model, batch):
         if self._deg_kl_cache is None:
             return super()._compute_kl_logps(model, batch)
-        return self._deg_kl_cache[_adapters_disabled(model)]
+        if self.ref_model is not None:
+            return self._deg_kl_cache[model is self.ref_model]
+        return self._deg_kl_cache[_reference_adapters_on(model)]

@@ -1,9 +1,12 @@
 """StreamingSetupMixin: the one setup every deg_hf trainer shares.
 
 A deg_hf trainer is ``class StreamedXTrainer(StreamingSetupMixin, XTrainer)``. Before the upstream
-``__init__`` runs, the mixin resolves the model (a Hub id, a path, or a loaded model), builds it
-streamed (or resident with ``stream_layers=False``), applies the LoRA adapter, and refuses, with a
-reason and a remedy, what cannot work. The upstream trainer then sees an ordinary PEFT model.
+``__init__`` runs, the mixin builds the model streamed (from a Hub id or path, or from a loaded
+model's or ``PeftModel``'s own tensors), settles an explicit ``ref_model`` (released when it is the
+base), chooses the adapter (the default LoRA when none is given: a streamed base stays frozen), and
+refuses, with a reason and a remedy, what cannot work. The upstream trainer then sees an ordinary
+PEFT model. With ``stream_layers=False`` the model, ``peft_config`` and ``ref_model`` go to the
+upstream trainer as given: resident is upstream (a full fine-tune without ``peft_config``).
 
 This module stays import-light (no top-level torch, transformers, PEFT or TRL): configuration code
 and ``deg-hf --help`` import deg_hf without paying for them.
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import warnings
 
 from deg_hf.config import ROLLOUT_REFUSAL, check_model_init_kwargs, stream_settings
 
@@ -55,6 +57,8 @@ class StreamingSetupMixin:
     deg_prefix_capable: bool = False
     #: the upstream trainer scores tokens with TRL's fused, tiled LM head (``add_fused_lm_head``)
     deg_fused_lm_head: bool = False
+    #: the upstream constructor loads a Hub id or a path itself (TRL's trainers; not transformers.Trainer)
+    deg_upstream_loads_ids: bool = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -79,12 +83,11 @@ class StreamingSetupMixin:
             config = params["args"] = self._deg_default_args(model)
         self._deg_check_batch(config)
         peft_config = params.pop("peft_config", None)
-        if params.get("ref_model") is not None and settings.stream_layers:
-            raise ValueError(
-                "ref_model cannot be passed with stream_layers=True: the reference is the same streamed "
-                "base with the adapter disabled, so no second model is ever loaded. Drop ref_model "
-                "(or set stream_layers=False to train resident with an explicit reference)."
-            )
+        ref_model = params.get("ref_model")
+        if settings.stream_layers and ref_model is not None and ref_model is model:
+            # the upstream trainer refuses the same object as model and ref_model with its own message
+            upstream(**params, **({"peft_config": peft_config} if peft_config is not None else {}))
+            raise ValueError("model and ref_model are the same object: omit ref_model.")
         if settings.stream_layers:
             check_model_init_kwargs(getattr(config, "model_init_kwargs", None), settings,
                                     quantization_config=params.get("quantization_config"),
@@ -100,23 +103,33 @@ class StreamingSetupMixin:
         self.deg_preflight = self._deg_preflight(model, config, settings, peft_config)
         model = self._deg_build_model(model, config, settings)
         try:
-            if not _is_peft_model(model):
-                peft_config = self._deg_peft_config(peft_config)
+            if self.stream_runtime is not None and ref_model is not None:
+                self._deg_release_ref_model(ref_model, model)
+                params["ref_model"] = None
+            if peft_config is None and settings.stream_layers and not _is_peft_model(model):
+                peft_config = self._deg_default_peft_config()
+            if peft_config is not None:
                 if "peft_config" in inspect.signature(upstream).parameters:
                     # TRL applies it: its preference trainers then take the reference from the
                     # same model with the adapter disabled
                     params["peft_config"] = peft_config
+                elif _is_peft_model(model):
+                    raise ValueError(
+                        "the model is already a PeftModel and a peft_config was passed too: pass one of them."
+                    )
                 else:
                     from peft import get_peft_model
 
                     model = get_peft_model(model, peft_config)
             params["model"] = model
+            adapters_before = set(model.peft_config) if _is_peft_model(model) else set()
             upstream(**params)
             if self.stream_runtime is not None:
                 from deg_hf.streaming.build import materialize_adapters
 
                 # adapters on streamed layers were created on `meta` (their base layer's device)
                 materialize_adapters(self.model, self.stream_runtime.device)
+                self._deg_fill_trl_ref_adapter(adapters_before, released_ref=ref_model is not None)
             self._deg_setup_memory(settings)
             if self.__dict__.get("_deg_preflight_deferred", False) is not False:
                 from deg_hf.memory.preflight import longest_row
@@ -154,38 +167,43 @@ class StreamingSetupMixin:
         if model is None:
             raise ValueError(f"{type(self).__name__} needs a model: a Hub id, a local path or a loaded model.")
         init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
-        if isinstance(model, PeftModel):
-            if settings.stream_layers:
-                raise ValueError(
-                    "a PeftModel cannot be streamed as passed: its base weights are already loaded. "
-                    "Save the adapter (model.save_pretrained(dir)), then pass the base model id as "
-                    "`model` and `peft_config=PeftConfig.from_pretrained(dir)`, or load a deg_hf "
-                    "checkpoint with deg_hf.load(). Pass stream_layers=False to train it resident."
-                )
-            return model
-        if isinstance(model, PreTrainedModel):
-            _refuse_dispatched_or_quantized(model)
-            if not settings.stream_layers:
-                return model
-            source = getattr(model, "name_or_path", None)
-            if not source:
-                raise ValueError(
-                    "a loaded model without name_or_path cannot be rebuilt streamed: pass its Hub id or "
-                    "the directory it was saved to."
-                )
-            init_kwargs.setdefault("attn_implementation", getattr(model.config, "_attn_implementation", None))
-            model = source
-        if not isinstance(model, str):
-            raise TypeError(f"model must be a Hub id, a path or a PreTrainedModel, got {type(model).__name__}")
         from deg_hf.streaming import quant
 
         if not settings.stream_layers:
-            from transformers import AutoModelForCausalLM
+            spec = None
+            if isinstance(model, str) and "quantization_config" not in init_kwargs:
+                spec = quant.resolve_spec(settings, None)
+            if isinstance(model, str) and (spec is not None or not self.deg_upstream_loads_ids):
+                from transformers import AutoModelForCausalLM
 
-            spec = quant.resolve_spec(settings, None) if "quantization_config" not in init_kwargs else None
-            if spec is not None:  # stream_quantization asks for QLoRA resident: transformers' own 4-bit loading
-                init_kwargs["quantization_config"] = quant.resident_config(spec, _dtype_of(args, init_kwargs))
-            return AutoModelForCausalLM.from_pretrained(model, **_resident_kwargs(init_kwargs))
+                if spec is not None:  # stream_quantization asks for QLoRA resident: transformers' own 4-bit loading
+                    init_kwargs["quantization_config"] = quant.resident_config(spec, _dtype_of(args, init_kwargs))
+                return AutoModelForCausalLM.from_pretrained(model, **_resident_kwargs(init_kwargs))
+            return model  # resident is upstream: it loads an id itself and takes a loaded model as given
+        if isinstance(model, (PeftModel, PreTrainedModel)):
+            # streamed as given: its own tensors move into the store (its dtype, its in-memory values)
+            from deg_hf.streaming.build import stream_loaded_model
+
+            if isinstance(model, PeftModel):
+                for adapter_config in model.peft_config.values():
+                    _refuse_base_reading_peft(adapter_config, created=True)
+            if getattr(settings, "stream_tier", "auto") == "disk":
+                raise ValueError(
+                    "stream_tier='disk' streams layers from a cache of checkpoint files, but this model is "
+                    "already loaded: its tensors move into a store in RAM, where they already are. Pass its "
+                    "Hub id or path to stream from disk, or leave stream_tier at 'auto'."
+                )
+            model, self.stream_runtime = stream_loaded_model(
+                model, device=args.device, stream_buffers=settings.stream_buffers,
+                progress=not getattr(args, "disable_tqdm", False), quantization=quant.resolve_spec(settings, None),
+            )
+            self.deg_notes.append(
+                f"the base streamed from the loaded model's own tensors ({self.stream_runtime.store.dtype}, its "
+                "in-memory values), not from the files at its name_or_path, which may differ"
+            )
+            return model
+        if not isinstance(model, str):
+            raise TypeError(f"model must be a Hub id, a path or a PreTrainedModel, got {type(model).__name__}")
         from deg_hf.streaming.build import build_streamed_model
 
         quantization_config = init_kwargs.pop("quantization_config", None)
@@ -216,19 +234,50 @@ class StreamingSetupMixin:
             logger.warning(note)
         return streamed
 
-    def _deg_peft_config(self, peft_config):
+    def _deg_fill_trl_ref_adapter(self, adapters_before: set, released_ref: bool) -> None:
+        """Given a PeftModel and no ref_model, TRL's DPO and KTO add a frozen ``"ref"`` adapter and
+        copy the ``"default"`` adapter's values into it: the reference is the adapter as passed.
+        Under streaming PEFT creates it on ``meta`` (the base layer's device), so that copy wrote
+        nothing and materialising gave it fresh values: copy again, as TRL meant. When the script
+        did pass a ref_model (released here, being the base), the reference stays what it passed:
+        the base, with the adapters disabled, and the added adapter goes."""
+        import torch
+
+        adapters = getattr(self.model, "peft_config", None) or {}
+        if "ref" not in adapters or "ref" in adapters_before or "default" not in adapters:
+            return
+        if released_ref:
+            self.model.delete_adapter("ref")
+            return
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if ".ref." in name:
+                    param.copy_(self.model.get_parameter(name.replace(".ref.", ".default.")))
+
+    def _deg_release_ref_model(self, ref_model, model) -> None:
+        """Streamed: accept an explicit ref_model that is the policy's base and free it (the reference
+        stays the streamed base with the adapter disabled); refuse one that differs."""
+        from deg_hf.trainers.reference import release_if_base
+
+        note = release_if_base(ref_model, model)
+        self.deg_notes.append(note)
+        logger.warning(note)
+
+    def _deg_default_peft_config(self):
+        """The LoRA adapter a streamed run trains when no peft_config is given (streaming keeps the
+        base frozen in host memory), announced once in the log and recorded in deg.json."""
         from peft import LoraConfig
 
-        if peft_config is None:
-            peft_config = LoraConfig(task_type="CAUSAL_LM", **DEFAULT_LORA)
-            self.deg_default_lora = True
-            note = (
-                "no peft_config given: training the default LoRA adapter "
-                f"(r={DEFAULT_LORA['r']}, alpha={DEFAULT_LORA['lora_alpha']}, all linear projections)"
-            )
-            self.deg_notes.append(note)
-            warnings.warn(note, stacklevel=4)
-        return peft_config
+        self.deg_default_lora = True
+        note = (
+            "no peft_config given: training deg_hf's default LoRA adapter "
+            f"(r={DEFAULT_LORA['r']}, alpha={DEFAULT_LORA['lora_alpha']}, all linear projections), because a "
+            "streamed base stays frozen. Pass peft_config to choose the adapter, or stream_layers=False "
+            "to fine-tune every weight as the upstream trainer does."
+        )
+        self.deg_notes.append(note)
+        logger.warning(note)
+        return LoraConfig(task_type="CAUSAL_LM", **DEFAULT_LORA)
 
     # ------------------------------------------------------------------ memory planning
     def _deg_model_config(self, model):
@@ -276,7 +325,10 @@ class StreamingSetupMixin:
         dtype_bytes = dtype.itemsize if dtype is not None else 4
         planner = make_planner(
             config.to_dict(), settings, device=args.device, streaming=settings.stream_layers,
-            trainable_params=lora_params(config.to_dict(), peft_config), dtype_bytes=dtype_bytes,
+            trainable_params=(lora_params(config.to_dict(), peft_config)
+                              if peft_config is not None or settings.stream_layers or _is_peft_model(model)
+                              else _all_params(config.to_dict())),
+            dtype_bytes=dtype_bytes,
             rows_per_example=self.deg_rows_per_example, attn_implementation=None,
             fused_lm_head=self.deg_fused_lm_head,
             checkpointing=settings.stream_layers or bool(getattr(args, "gradient_checkpointing", False)),
@@ -304,7 +356,7 @@ class StreamingSetupMixin:
         self._deg_part_info = None
         self.deg_planner = None
         if settings.mem_plan:
-            base = self.model.base_model.model if hasattr(self.model, "base_model") else self.model
+            base = self.model.get_base_model() if _is_peft_model(self.model) else self.model
             trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), None)
             self.deg_planner = make_planner(
@@ -649,21 +701,9 @@ def _is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-def _refuse_dispatched_or_quantized(model) -> None:
-    device_map = getattr(model, "hf_device_map", None)
-    if device_map:
-        raise ValueError(
-            "the model was loaded with a device_map (dispatched across devices by accelerate); deg_hf "
-            "places it itself. Pass the model id or path instead of the loaded model."
-        )
-    if getattr(model, "is_quantized", False) or getattr(model.config, "quantization_config", None):
-        raise ValueError(
-            "a quantized model cannot be streamed or re-placed by deg_hf as loaded. Pass the unquantized "
-            "base model id or path (layer streaming keeps the full-precision weights in host memory)."
-        )
-
-
-def _refuse_base_reading_peft(peft_config) -> None:
+def _refuse_base_reading_peft(peft_config, *, created: bool = False) -> None:
+    """Refuse adapters that need the base weights in device memory; ``created``: the adapter already
+    holds its values (a PeftModel), so how it was initialised no longer matters."""
     if peft_config is None:
         return
     kind = str(getattr(peft_config, "peft_type", "")).split(".")[-1].upper()
@@ -679,12 +719,20 @@ def _refuse_base_reading_peft(peft_config) -> None:
             "LoRA, or stream_layers=False."
         )
     init = str(getattr(peft_config, "init_lora_weights", True)).lower()
-    if any(init.startswith(name) for name in _BASE_READING_INITS):
+    if not created and any(init.startswith(name) for name in _BASE_READING_INITS):
         raise ValueError(
             f"init_lora_weights={peft_config.init_lora_weights!r} initialises the adapter from the base "
             "weights, which are not in memory under layer streaming. Use init_lora_weights=True or "
             "'gaussian', or stream_layers=False."
         )
+
+
+def _all_params(model_config) -> int:
+    """Every weight of the model (a full fine-tune trains them all), from its config."""
+    from deg_hf.memory.planner import layer_param_count, model_dims
+
+    d = model_dims(model_config)
+    return d.layers * layer_param_count(model_config) + d.vocab * d.hidden * (1 if d.tie_word_embeddings else 2) + d.hidden
 
 
 def _dtype_of(args, init_kwargs):

@@ -292,9 +292,7 @@ def build_record(trainer, metrics: Mapping[str, Any] | None = None) -> dict:
     from deg_hf.checkpoint import make_record
 
     model = _unwrap(trainer)
-    peft = _peft_config(model)
-    if peft is None:
-        raise ValueError("the trainer's model has no PEFT adapter: deg.json records LoRA runs only")
+    peft = _peft_config(model)  # None: a full fine-tune (resident, no peft_config)
     default_lora = bool(getattr(trainer, "deg_default_lora", False))
     record = make_record(
         task=getattr(trainer, "deg_task", "sft"),

@@ -11,9 +11,11 @@ class StreamedTrainer(StreamingSetupMixin, Trainer):
     """A drop-in ``transformers.Trainer`` for causal-LM LoRA training of models larger than the device.
 
     ``model`` may be a Hub id, a local path or a loaded ``PreTrainedModel``; ``peft_config`` (a PEFT
-    ``LoraConfig``) defaults to LoRA on every linear projection. Configure streaming with
+    ``LoraConfig``) is applied with ``get_peft_model``. Streamed, it defaults to LoRA on every linear
+    projection (the base stays frozen); resident without one, every weight trains, as upstream. Configure streaming with
     :class:`deg_hf.StreamedTrainingArguments` (a plain ``TrainingArguments`` works too).
     """
 
     deg_task = "sft"
     deg_config_class = "StreamedTrainingArguments"
+    deg_upstream_loads_ids = False
