@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-length", type=int, default=2048, help="tokens per example (default: 2048)")
     plan.add_argument("--vram", type=float, default=8.0, help="device memory budget in GiB (default: 8)")
     plan.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default: 16)")
+    plan.add_argument("--quantization", choices=("nf4", "fp4"), default=None,
+                      help="plan a 4-bit base (stream_quantization; double quantization, blocksize 64). "
+                           "Default: what the checkpoint was saved as")
+    plan.add_argument("--host-mem", type=float, default=None, metavar="GIB",
+                      help="host memory of the machine to plan for, in GiB (default: this machine's available memory)")
     plan.set_defaults(func=_plan)
     return parser
 

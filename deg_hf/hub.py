@@ -203,6 +203,7 @@ def model_card(
         if not memory_rows:
             memory_rows.append(("Plan", "recorded in deg.json"))
     stream = record.get("stream")
+    quant = base.get("quantization") if isinstance(base.get("quantization"), Mapping) else None
 
     sizes = data.get("sizes")
     sizes_text = ", ".join(f"{v} {k} examples" for k, v in sizes.items()) if isinstance(sizes, Mapping) else ""
@@ -235,6 +236,13 @@ def model_card(
         "version_rows": [(k, v) for k, v in (record.get("versions") or {}).items() if v is not None],
         "load_id": load_id,
         "tokenizer_source": load_id if tokenizer_in_repo else base_name,
+        "base_quant": None if quant is None else {
+            "type": str(quant.get("quant_type", "nf4")).upper(),
+            "quant_type": quant.get("quant_type", "nf4"),
+            "blocksize": quant.get("blocksize", 64),
+            "double": bool(quant.get("double_quant")),
+            "compute_dtype": quant.get("compute_dtype"),
+        },
         "created_at": record.get("created_at"),
         "deg_hf_version": record.get("deg_hf_version"),
     }

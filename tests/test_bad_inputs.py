@@ -195,7 +195,7 @@ def longest_row_too_long(env: Env):
     """max_length=None: the pre-flight takes the longest tokenised row, which cannot fit the target."""
     from datasets import Dataset
 
-    from deg_hf.memory.planner import GIB
+    from deg_hf.memory.coef import GIB
 
     rows = sft_rows(6)
     rows[4]["messages"][1]["content"] = " ".join(["good answer please thanks"] * 40)

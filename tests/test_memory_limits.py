@@ -104,7 +104,7 @@ def test_a_run_that_skips_every_example_raises(checkpoint, tmp_path):
 
 
 def test_preflight_without_max_length_uses_the_longest_tokenised_row(checkpoint, tmp_path):
-    from deg_hf.memory.planner import GIB
+    from deg_hf.memory.coef import GIB
 
     path, rows = checkpoint("llama"), skewed_rows()
     roomy = build(path, tmp_path / "a", rows, max_length=None, mem_target_gb=64.0)

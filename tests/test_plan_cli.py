@@ -110,6 +110,61 @@ def test_plan_cli_function_matches_the_planner_for_every_task():
         assert ("total_with_kl_rows" in got["streamed"]) == (task == "kto")
 
 
+LLAMA_70B = Path(__file__).parent / "fixtures" / "llama-70b"
+
+
+def test_plan_of_70b_nf4_dpo_on_one_24_gib_gpu_and_a_64_gib_host(capsys):
+    """The north star: a 70B Llama in NF4 (double quantization) streams from a 64 GiB host and a DPO
+    micro-batch of 2 pairs x 1024 tokens fits a 24 GiB device."""
+    from deg_hf.memory.coef import layer_param_count, quant_bytes_per_weight
+    from deg_hf.plan_cli import plan, read_config
+
+    argv = ["plan", str(LLAMA_70B), "--task", "dpo", "--batch", "2", "--max-length", "1024", "--vram", "24",
+            "--quantization", "nf4", "--host-mem", "64"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    config, _ = read_config(str(LLAMA_70B))
+    got = plan(config, task="dpo", batch=2, max_length=1024, vram=24, lora_r=16, quantization="nf4", host_mem=64)
+    host, st = got["host"], got["streamed"]
+
+    # the store: every decoder Linear weight at 0.5 + 1/64 + 4/(64*256) bytes, the norms in bf16
+    linear = layer_param_count(config) - 2 * 8192
+    assert linear == 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672  # q, o; k, v (8 of 64 heads); MLP
+    assert host["store_bytes"] == math.ceil(80 * (linear * quant_bytes_per_weight(64, True) + 2 * 8192 * 2))
+    assert 35e9 <= host["store_bytes"] <= 39e9  # 35.3 GB (32.9 GiB): about a quarter of bf16's
+    assert host["store_bytes"] / host["store_unquantized_bytes"] < 0.26
+    assert host["disk_layers"] == 0 and host["ram_layers"] == 80  # a 64 GiB host holds it in RAM
+    assert "35.3 GB) in NF4" in text and "fits in RAM" in text
+
+    # the device: two layers in flight quantized plus their bf16 compute buffers, and the batch fits
+    assert st["dequantized"] == 2 * linear * 2
+    assert st["layers_in_flight"] < st["dequantized"] / 3
+    assert st["fits"] and st["total"] <= 24 * GIB and st["parts"] == 1
+    assert _row(text, "batch 2 fits 24 GiB") == ["no", "yes"]
+    cells = " ".join(_row(text, "4-bit weights dequantized for compute"))
+    assert cells.endswith(_gib(st["dequantized"]))
+
+    # control: the same run unquantized needs 4x the host memory, which a 64 GiB host cannot hold
+    bf16 = plan(config, task="dpo", batch=2, max_length=1024, vram=24, lora_r=16, host_mem=64)
+    assert bf16["quantization"] is None
+    assert bf16["host"]["store_bytes"] == host["store_unquantized_bytes"]
+    assert bf16["host"]["disk_layers"] > 0
+    assert bf16["streamed"]["dequantized"] == 0
+
+
+def test_plan_reads_a_prequantized_config_and_checks_its_flags(tmp_path, capsys):
+    config = json.loads((LLAMA_70B / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                     "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", str(tmp_path), "--host-mem", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "NF4 Linear weights (0.5625 bytes each" in text and "double quantization off" in text
+    assert "from the checkpoint" in text
+    assert main(["plan", str(tmp_path), "--host-mem", "-1"]) == 2
+    assert "--host-mem" in capsys.readouterr().err
+
+
 def test_plan_runs_without_torch_in_a_fresh_interpreter():
     code = (
         "import sys\n"

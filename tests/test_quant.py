@@ -282,7 +282,7 @@ def test_every_trainer_trains_on_nf4_with_one_store_and_no_reference_model(check
     stats = runtime.stats()
     assert stats["bytes_moved"] > 0 and stats["dequantized"] > 0
     # honest parameter counts: the base counts at its true size, not as packed 4-bit placeholders
-    from deg_hf.memory.planner import layer_param_count
+    from deg_hf.memory.coef import layer_param_count
 
     base = trainer.model.base_model.model
     true_total = sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
@@ -574,3 +574,85 @@ def test_cuda_dequantization_is_a_small_share_of_the_step(checkpoint):
     assert runtime.stats()["dequantized"] >= 3 * 4
     assert share < 0.05, share
     runtime.close()
+
+
+def test_the_planner_counts_quantized_layers_and_their_compute_buffers(checkpoint, tmp_path):
+    """A streamed NF4 trainer plans with the quantized bytes of the layers in flight plus their
+    dequantized compute buffers: the runtime's own device buffers, up to per-tensor constants."""
+    from test_preference import build
+
+    from deg_hf.memory.coef import layer_linear_count, quant_bytes_per_weight, static_breakdown
+
+    path = checkpoint("llama", hidden_size=128, intermediate_size=256)
+    trainer = build("dpo", path, tmp_path, stream_quantization="nf4", mem_target_gb=4)
+    runtime, planner = trainer.stream_runtime, trainer.deg_planner
+    cfg = trainer.model.get_base_model().config.to_dict()
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    est = static_breakdown(cfg, streaming=True, stream_buffers=runtime.n_buffers, lora_params=trainable,
+                           dtype_bytes=4, quant_bytes_per_weight=quant_bytes_per_weight(64, True))
+    assert planner.static_bytes == sum(est.values())
+    actual = runtime.stats()["device_bytes_peak"]  # n_buffers x (packed layer block + compute buffer)
+    counted = est["layers"] + est["dequantized"]
+    per_tensor = runtime.n_buffers * runtime.stats()["quantization"]["weights_per_layer"] * (16 + 256 + 4) * 4
+    assert counted <= actual <= counted + per_tensor + 4096, (counted, actual)
+    # control: counted as an unquantized fp32 layer, or without the compute buffers, it is off
+    assert abs(runtime.n_buffers * layer_linear_count(cfg) * 4 - actual) > per_tensor + 4096
+    assert actual - est["layers"] > per_tensor + 4096
+    trainer.release_stream()
+
+
+def test_nf4_checkpoint_records_its_base_and_load_rebuilds_it(checkpoint, tmp_path):
+    """deg.json records the 4-bit base, the card and ``deg-hf info`` say so, and ``deg_hf.load``
+    rebuilds the same base: streamed and resident logits equal the trained model's."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+
+    import deg_hf
+    from deg_hf.checkpoint import read_deg_json, summarize
+
+    path = checkpoint("llama")
+    trainer = deg_hf.StreamedSFTTrainer(
+        model=path, args=deg_hf.StreamedSFTConfig(**trainer_kwargs(str(tmp_path / "run"), max_length=32, max_steps=1,
+                                                                   stream_quantization="nf4")),
+        train_dataset=Dataset.from_list(sft_rows(8)), processing_class=AutoTokenizer.from_pretrained(path),
+        peft_config=LoraConfig(**LORA))
+    assert randomise_lora_b(trainer.model) > 0
+    trainer.train()
+    final = tmp_path / "final"
+    trainer.save_model(str(final))
+    ids = _batch()["input_ids"]
+    trainer.model.eval()
+    with torch.no_grad():
+        expected = trainer.model(input_ids=ids).logits
+    trainer.release_stream()
+
+    record = read_deg_json(final)  # validates against the schema
+    quant = record["base_model"]["quantization"]
+    assert quant["method"] == "bitsandbytes-4bit" and quant["quant_type"] == "nf4"
+    assert quant["blocksize"] == 64 and quant["double_quant"] is True and quant["compute_dtype"] == "float32"
+    card = (final / "README.md").read_text()
+    assert "trained against a **NF4** (4-bit, bitsandbytes) base" in card
+    assert 'bnb_4bit_quant_type="nf4"' in card and "quantization_config=quantization" in card
+    assert "NF4 (bitsandbytes 4-bit), blocksize 64, double quantization on, compute float32" in summarize(record)
+
+    for streamed in (True, False):
+        model, _ = deg_hf.load(final, streamed=streamed, device="cpu")
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        if streamed:
+            runtime = model._deg_stream_runtime
+            assert runtime.store.quantization()["quant_type"] == "nf4"
+            runtime.close()
+            assert (logits - expected).abs().max().item() == 0.0
+        else:
+            assert any(type(m).__name__ == "Linear4bit" for m in model.modules())
+            assert (logits - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+    # control: loading the recorded base unquantized changes the outputs
+    record["base_model"]["quantization"] = None
+    (final / "deg.json").write_text(json.dumps(record))
+    model, _ = deg_hf.load(final, streamed=True, device="cpu")
+    with torch.no_grad():
+        assert (model(input_ids=ids).logits - expected).abs().max().item() > 1e-4
+    model._deg_stream_runtime.close()

@@ -108,7 +108,7 @@ def test_disk_and_mixed_placements_are_bit_exact_against_ram(checkpoint, tmp_pat
 
 
 def test_placement_with_half_the_layers_in_budget(checkpoint):
-    from deg_hf.streaming.tiers import describe_placement, plan_placement
+    from deg_hf.streaming.host import describe_placement, plan_placement
 
     assert plan_placement("auto", [10, 10, 10, 10], 20) == ["ram", "ram", "disk", "disk"]
     assert plan_placement("auto", [10, 10, 10, 10], 45) == ["ram"] * 4

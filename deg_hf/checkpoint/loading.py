@@ -196,6 +196,20 @@ def _load_adapter_streamed(base, checkpoint: Path, device: Any):
     return model
 
 
+def _recorded_quantization(record: Mapping[str, Any]):
+    """``(QuantSpec, compute dtype)`` of the 4-bit base recorded in deg.json, or None."""
+    quant = record["base_model"].get("quantization")
+    if not isinstance(quant, Mapping):
+        return None
+    import torch
+
+    from deg_hf.streaming.quant import QuantSpec
+
+    spec = QuantSpec(str(quant["quant_type"]), int(quant.get("blocksize", 64)), bool(quant.get("double_quant")))
+    dtype = getattr(torch, str(quant.get("compute_dtype") or ""), None)
+    return spec, dtype if isinstance(dtype, torch.dtype) else None
+
+
 def _load_full(checkpoint: Path, streamed: bool | None, device: Any):
     """A full fine-tune's checkpoint is a whole model: load it as it is (streamed on request)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -236,6 +250,9 @@ def load(
     * ``streamed=None`` (default): streamed when the target is a CUDA device and the base's weight
       files exceed 80% of its free memory, resident otherwise.
 
+    A base recorded as 4-bit (``base_model.quantization``) is rebuilt 4-bit with the same settings
+    and compute dtype: streamed into a 4-bit store, resident with transformers' bitsandbytes loading.
+
     The base's config is checked against the ``config_sha256`` recorded at training time; a
     mismatch raises :class:`DegJsonError` unless ``trust_config_mismatch=True``. ``base_model``
     overrides where the base is loaded from (needed when it was a local directory, which deg.json
@@ -268,12 +285,17 @@ def load(
     from transformers import AutoTokenizer
 
     kwargs = {} if base_revision is None else {"revision": base_revision}
+    quant = _recorded_quantization(record)
     if streamed is None:
         streamed = _should_stream(base_name, base_is_local, base_revision, device)
     if streamed:
         from deg_hf.streaming.build import build_streamed_model
 
-        base, runtime = build_streamed_model(base_name, device=device, revision=base_revision, progress=False)
+        extra = {}
+        if quant is not None:  # the same 4-bit base the adapter was trained against
+            extra = {"quantization": quant[0], "dtype": quant[1]}
+        base, runtime = build_streamed_model(base_name, device=device, revision=base_revision, progress=False,
+                                             **extra)
         try:
             model = _load_adapter_streamed(base, checkpoint, runtime.device)
         except BaseException:
@@ -284,9 +306,17 @@ def load(
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
+        if quant is not None:  # transformers' own 4-bit loading, placed where asked (a 4-bit model does not move)
+            from deg_hf.streaming.quant import resident_config
+
+            if not record["base_model"]["quantization"].get("prequantized"):  # saved 4-bit: its own config applies
+                kwargs["quantization_config"] = resident_config(*quant)
+            kwargs["dtype"] = quant[1]
+            if device is not None:
+                kwargs["device_map"] = {"": str(device)}
         model = AutoModelForCausalLM.from_pretrained(base_name, **kwargs)
         model = PeftModel.from_pretrained(model, str(checkpoint))
-        if device is not None:
+        if device is not None and quant is None:
             model = model.to(device)
     model.eval()
     tok_source = str(checkpoint) if _has_tokenizer(checkpoint) else base_name

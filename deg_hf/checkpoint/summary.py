@@ -121,6 +121,11 @@ def summarize(record: Mapping[str, Any]) -> str:
     if base.get("config_sha256"):
         base_text += f" (config sha256 {str(base['config_sha256'])[:12]})"
     add("base model", base_text)
+    quant = base.get("quantization")
+    if isinstance(quant, Mapping):
+        add("base quantization", f"{str(quant.get('quant_type')).upper()} (bitsandbytes 4-bit), blocksize "
+            f"{quant.get('blocksize')}, double quantization {'on' if quant.get('double_quant') else 'off'}"
+            + (f", compute {quant['compute_dtype']}" if quant.get("compute_dtype") else ""))
 
     peft = record.get("peft")
     if peft is None:

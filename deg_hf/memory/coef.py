@@ -643,6 +643,30 @@ def _optimizer_state_bytes(optimizer: str, trainable_dtype_bytes: float) -> floa
     return _ADAM_STATES * trainable_dtype_bytes  # Adam(W) and anything unknown: two moments
 
 
+def quant_bytes_per_weight(blocksize: int = 64, double: bool = True) -> float:
+    """Host and transfer bytes per 4-bit weight as bitsandbytes stores it: half a byte packed, plus
+    its block's absmax (fp32 per ``blocksize`` weights; with double quantization one byte, plus an
+    fp32 absmax per 256 blocks). Per-tensor constants (code books, offset) are left out."""
+    if blocksize < 1:
+        raise ValueError(f"blocksize must be >= 1, got {blocksize!r}")
+    return 0.5 + (1 / blocksize + 4 / (blocksize * 256) if double else 4 / blocksize)
+
+
+def layer_linear_count(model_config: Any) -> int:
+    """Weights of one decoder layer that sit in Linear layers (what bitsandbytes quantizes): all but
+    the norms."""
+    return layer_param_count(model_config) - 2 * model_dims(model_config).hidden
+
+
+def host_store_bytes(model_config: Any, *, dtype_bytes: float = 2, quant_bytes_per_weight: float | None = None) -> int:
+    """The host store of every decoder layer: Linear weights at ``quant_bytes_per_weight`` when 4-bit
+    (norms stay at ``dtype_bytes``), else everything at ``dtype_bytes``."""
+    d = model_dims(model_config)
+    linear = layer_linear_count(d)
+    wb = dtype_bytes if quant_bytes_per_weight is None else quant_bytes_per_weight
+    return math.ceil(d.layers * (linear * wb + (layer_param_count(d) - linear) * dtype_bytes))
+
+
 def static_breakdown(
     model_config: Any,
     *,
@@ -653,14 +677,20 @@ def static_breakdown(
     dtype_bytes: float = 2,
     trainable_dtype_bytes: float = 4,
     weight_dtype_bytes: float | None = None,
+    quant_bytes_per_weight: float | None = None,
 ) -> dict[str, int]:
     """Device bytes held outside activations, per component.
 
     ``resident``: embeddings, final norm and an untied LM head in ``dtype_bytes``. ``layers``:
-    decoder weights in ``weight_dtype_bytes`` (default ``dtype_bytes``; ~0.56 for NF4), either
-    ``stream_buffers`` layers in flight when streaming or all of them. ``adapters``, ``grads``
-    and ``optimizer``: LoRA parameters, their gradients (both in ``trainable_dtype_bytes``) and
-    the optimizer state (Adam: two moments).
+    decoder weights in ``weight_dtype_bytes`` (default ``dtype_bytes``), either ``stream_buffers``
+    layers in flight when streaming or all of them. ``adapters``, ``grads`` and ``optimizer``: LoRA
+    parameters, their gradients (both in ``trainable_dtype_bytes``) and the optimizer state (Adam:
+    two moments).
+
+    With ``quant_bytes_per_weight`` (a 4-bit base, :func:`quant_bytes_per_weight`) the layers' Linear
+    weights are counted at that many bytes (norms at ``dtype_bytes``), and a ``dequantized`` entry is
+    added: streamed, each buffer's compute buffer holding its layer's Linear weights dequantized to
+    ``dtype_bytes``; resident (bitsandbytes' QLoRA), the largest weight dequantized for one matmul.
     """
     d = model_dims(model_config)
     wb = dtype_bytes if weight_dtype_bytes is None else weight_dtype_bytes
@@ -672,13 +702,22 @@ def static_breakdown(
     non_negative_int("lora_params", lora_params)
     embed = d.vocab * d.hidden * (1 if d.tie_word_embeddings else 2)
     in_flight = min(stream_buffers, d.layers) if streaming else d.layers
-    return {
+    out = {
         "resident": math.ceil((embed + d.hidden) * dtype_bytes),
         "layers": math.ceil(in_flight * layer_param_count(d) * wb),
         "adapters": math.ceil(lora_params * trainable_dtype_bytes),
         "grads": math.ceil(lora_params * trainable_dtype_bytes),
         "optimizer": math.ceil(lora_params * _optimizer_state_bytes(optimizer, trainable_dtype_bytes)),
     }
+    if quant_bytes_per_weight is not None:
+        linear = layer_linear_count(d)
+        out["layers"] = math.ceil(in_flight * (linear * quant_bytes_per_weight
+                                               + (layer_param_count(d) - linear) * dtype_bytes))
+        if streaming:
+            out["dequantized"] = math.ceil(in_flight * linear * dtype_bytes)
+        else:
+            out["dequantized"] = math.ceil(max(a * b for a, b in _linear_shapes(d).values()) * dtype_bytes)
+    return out
 
 
 def static_bytes(model_config: Any, **kwargs: Any) -> int:

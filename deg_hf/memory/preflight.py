@@ -45,13 +45,16 @@ def lora_params(model_config, peft_config) -> int:
 
 def make_planner(model_config, settings, *, device, streaming: bool, trainable_params: int,
                  dtype_bytes: int, rows_per_example: int, attn_implementation: str | None,
-                 fused_lm_head: bool, checkpointing: bool | None = None) -> MemPlanner:
+                 fused_lm_head: bool, checkpointing: bool | None = None,
+                 quant_bytes: float | None = None) -> MemPlanner:
     """The planner a trainer plans with. ``checkpointing`` (None: on when streaming) says whether
     decoder layers keep only their inputs for the backward (streaming always; resident with
-    ``gradient_checkpointing``)."""
+    ``gradient_checkpointing``). ``quant_bytes``: bytes per weight of a 4-bit base
+    (:func:`~deg_hf.memory.coef.quant_bytes_per_weight`), whose layers in flight are counted
+    quantized plus their dequantized compute buffers."""
     static = sum(static_breakdown(
         model_config, streaming=streaming, stream_buffers=settings.stream_buffers,
-        lora_params=trainable_params, dtype_bytes=dtype_bytes,
+        lora_params=trainable_params, dtype_bytes=dtype_bytes, quant_bytes_per_weight=quant_bytes,
     ).values())
     target = target_bytes(settings, device)
     return MemPlanner(

@@ -16,12 +16,12 @@ from torch import nn
 
 from deg_hf.config import check_setting
 from deg_hf.streaming.checks import check_model_files
+from deg_hf.streaming.host import host_budget
 from deg_hf.streaming.layer import attach, store_name
 from deg_hf.streaming.quant import QuantSpec, bnb_config_dict, method_of
 from deg_hf.streaming.runtime import StreamRuntime
 from deg_hf.streaming.sources import ModuleSource
 from deg_hf.streaming.store import StreamingError, WeightStore, resolve_checkpoint, safetensors_files
-from deg_hf.streaming.tiers import host_budget
 
 
 def default_device() -> torch.device:

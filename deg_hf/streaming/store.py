@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deg_hf.streaming import host, tiers
 from deg_hf.streaming import quant as q
-from deg_hf.streaming import tiers
 from deg_hf.streaming.cache import LayerCache, default_cache_root
 from deg_hf.streaming.sources import CheckpointSource, fingerprint, safetensors_files
 
@@ -151,7 +151,7 @@ class WeightStore:
     source already holds 4-bit (a pre-quantized checkpoint) are stored 4-bit whatever ``quant`` says.
 
     ``tier`` (``auto``, ``ram``, ``disk``) and ``host_mem_gb`` decide where each block lives
-    (:func:`deg_hf.streaming.tiers.plan_placement`); disk blocks live in the layer cache
+    (:func:`deg_hf.streaming.host.plan_placement`); disk blocks live in the layer cache
     (``cache_dir``, else under the Hugging Face cache home) and are read each sweep by a loader
     thread. Before any weight is read, a store that fits neither the RAM budget nor the cache
     directory's free space is refused with the figures.
@@ -205,8 +205,8 @@ class WeightStore:
 
         # where each block lives, decided (and refused) before any weight is read
         sizes = [lay.nbytes for lay in self.layouts]
-        budget = tiers.host_budget(host_mem_gb)
-        self.placement = tiers.plan_placement(tier, sizes, budget)
+        budget = host.host_budget(host_mem_gb)
+        self.placement = host.plan_placement(tier, sizes, budget)
         on_disk = [i for i, where in enumerate(self.placement) if where == "disk"]
         self.host_budget = budget
         cache = None
@@ -227,7 +227,7 @@ class WeightStore:
                 "deg_hf: %d of %d decoder layers (%s of %s) do not fit the host-memory budget of %s and "
                 "stream from the layer cache at %s (%s).", len(on_disk), len(sizes),
                 _gib(sum(sizes[i] for i in on_disk)), _gib(sum(sizes)), _gib(budget), cache.path,
-                tiers.describe_placement(self.placement),
+                host.describe_placement(self.placement),
             )
 
         self.flat: list[torch.Tensor | None] = [
@@ -433,7 +433,7 @@ class WeightStore:
     def tier_stats(self) -> dict:
         in_ram = [i for i, where in enumerate(self.placement) if where == "ram"]
         out = {
-            "placement": tiers.describe_placement(self.placement),
+            "placement": host.describe_placement(self.placement),
             "host_budget_bytes": self.host_budget,
             "ram": {"layers": len(in_ram), "bytes": sum(self.layouts[i].nbytes for i in in_ram)},
             "disk": self.disk.stats() if self.disk is not None else {"layers": 0, "bytes": 0},

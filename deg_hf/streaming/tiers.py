@@ -1,6 +1,7 @@
 """Where each layer's block lives between fetches: host RAM, or the disk cache (read each sweep).
 
-``plan_placement`` keeps as many layers in RAM as the host budget holds and puts the rest on disk.
+``plan_placement`` (in :mod:`deg_hf.streaming.host`) keeps as many layers in RAM as the host budget
+holds and puts the rest on disk.
 :class:`DiskTier` streams the disk layers: a background thread reads them, ahead in the direction of
 travel, into a small ring of staging buffers (pinned on CUDA), straight from the kernel into the
 buffers' memory, telling the kernel the reads are sequential and dropping the pages behind each read.
@@ -19,64 +20,6 @@ from deg_hf.streaming.sources import bytes_of
 
 #: staging buffers of the disk tier: one being copied to the device, two being read ahead
 DEFAULT_RING = 3
-
-
-def available_host_bytes() -> int:
-    """``MemAvailable`` from /proc/meminfo (what can be allocated without swapping)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
-def total_host_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        import psutil
-
-        return int(psutil.virtual_memory().total)
-
-
-def host_budget(host_mem_gb: float | None) -> int:
-    """Bytes of host memory the store may use: ``host_mem_gb``, or the available memory less a margin
-    for the OS, the dataloader workers and (on CPU) activations: 10% of the machine, at least 2 GiB."""
-    if host_mem_gb is not None:
-        return int(host_mem_gb * 2**30)
-    margin = max(2 * 2**30, total_host_bytes() // 10)
-    return max(0, available_host_bytes() - margin)
-
-
-def plan_placement(tier: str, layer_bytes: list[int], budget: int) -> list[str]:
-    """``"ram"`` or ``"disk"`` for each layer. ``auto`` keeps the first layers whose blocks fit
-    ``budget`` in RAM and puts the rest on disk (the disk tier's small staging ring is not the store
-    and is not counted)."""
-    if tier == "ram":
-        return ["ram"] * len(layer_bytes)
-    if tier == "disk":
-        return ["disk"] * len(layer_bytes)
-    placement, used = [], 0
-    for n in layer_bytes:
-        fits = used + n <= budget and "disk" not in placement
-        placement.append("ram" if fits else "disk")
-        used += n if fits else 0
-    return placement
-
-
-def describe_placement(placement: list[str]) -> str:
-    """``ram 0-39, disk 40-79`` style summary of a placement."""
-    runs, start = [], 0
-    for i in range(1, len(placement) + 1):
-        if i == len(placement) or placement[i] != placement[start]:
-            runs.append(f"{placement[start]} {start}" + (f"-{i - 1}" if i - 1 > start else ""))
-            start = i
-    return ", ".join(runs)
 
 
 class DiskTier:

@@ -332,6 +332,7 @@ class StreamingSetupMixin:
             rows_per_example=self.deg_rows_per_example, attn_implementation=None,
             fused_lm_head=self.deg_fused_lm_head,
             checkpointing=settings.stream_layers or bool(getattr(args, "gradient_checkpointing", False)),
+            quant_bytes=_planned_quant_bytes(settings, args, config),
         )
         return preflight(
             type(self).__name__, planner, rows_per_example=self.deg_rows_per_example,
@@ -367,11 +368,22 @@ class StreamingSetupMixin:
                 attn_implementation=getattr(base.config, "_attn_implementation", None),
                 fused_lm_head=self.deg_fused_lm_head,
                 checkpointing=self.stream_runtime is not None or bool(getattr(self.args, "gradient_checkpointing", False)),
+                quant_bytes=self._deg_quant_bytes(base, settings),
             )
         if self.data_collator is not None and not isinstance(self.data_collator, MemoryPlanningCollator):
             self.data_collator = MemoryPlanningCollator(self.data_collator, stacked_pairs=self.deg_stacked_pairs)
         self._deg_plan_callback = MemoryPlanCallback(self)
         self.add_callback(self._deg_plan_callback)
+
+    def _deg_quant_bytes(self, base, settings) -> float | None:
+        """Bytes per weight of the 4-bit base this run trains against, as built (None: not 4-bit)."""
+        from deg_hf.memory.coef import quant_bytes_per_weight
+
+        if self.stream_runtime is not None:
+            info = self.stream_runtime.store.quantization()
+            return None if info is None else quant_bytes_per_weight(info["blocksize"], info["double_quant"])
+        saved = getattr(base.config, "quantization_config", None) if getattr(base, "is_quantized", False) else None
+        return _planned_quant_bytes(settings, self.args, base.config, saved=saved)
 
     def _deg_setup_prefix(self, args) -> None:
         self.deg_prefix = None
@@ -729,7 +741,7 @@ def _refuse_base_reading_peft(peft_config, *, created: bool = False) -> None:
 
 def _all_params(model_config) -> int:
     """Every weight of the model (a full fine-tune trains them all), from its config."""
-    from deg_hf.memory.planner import layer_param_count, model_dims
+    from deg_hf.memory.coef import layer_param_count, model_dims
 
     d = model_dims(model_config)
     return d.layers * layer_param_count(model_config) + d.vocab * d.hidden * (1 if d.tie_word_embeddings else 2) + d.hidden
@@ -748,3 +760,21 @@ def _dtype_of(args, init_kwargs):
 
 def _resident_kwargs(init_kwargs):
     return {k: v for k, v in init_kwargs.items() if v is not None}
+
+
+def _planned_quant_bytes(settings, args, model_config, saved=None) -> float | None:
+    """Bytes per weight of the 4-bit base a run will build, from its settings, model_init_kwargs and
+    the checkpoint's own config (pre-quantized); None for an unquantized base, or when the request is
+    invalid (the build refuses it with the reason)."""
+    from deg_hf.memory.coef import quant_bytes_per_weight
+    from deg_hf.streaming import quant
+
+    requested = dict(getattr(args, "model_init_kwargs", None) or {}).get("quantization_config")
+    saved = saved if saved is not None else getattr(model_config, "quantization_config", None)
+    try:
+        spec = quant.resolve_spec(settings, requested)
+        if spec is None and saved is not None:
+            spec = quant.resolve_spec(None, saved)
+    except ValueError:
+        return None
+    return None if spec is None else quant_bytes_per_weight(spec.blocksize, spec.double)

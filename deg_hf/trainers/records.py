@@ -121,7 +121,30 @@ def base_model_section(trainer) -> dict:
         logger.warning("deg.json: cannot hash the base model config (%s)", exc)
     if not name:
         name = "<unknown>"
-    return {"name_or_path": name, "revision": revision, "config_sha256": sha}
+    return {"name_or_path": name, "revision": revision, "config_sha256": sha,
+            "quantization": base_quantization(trainer, base)}
+
+
+def base_quantization(trainer, base) -> dict | None:
+    """The 4-bit base the adapter was trained against (method, type, blocksize, double quant, compute
+    dtype): the streamed store's, or a resident model's bitsandbytes config; None at full precision."""
+    runtime = getattr(trainer, "stream_runtime", None)
+    if runtime is not None:
+        return runtime.store.quantization()
+    config = getattr(getattr(base, "config", None), "quantization_config", None)
+    if not getattr(base, "is_quantized", False) or config is None:
+        return None
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if not cfg.get("load_in_4bit"):
+        return None
+    dtype = cfg.get("bnb_4bit_compute_dtype")
+    return {
+        "method": "bitsandbytes-4bit",
+        "quant_type": str(cfg.get("bnb_4bit_quant_type") or "fp4"),
+        "blocksize": 64,  # transformers' 4-bit loading
+        "double_quant": bool(cfg.get("bnb_4bit_use_double_quant", False)),
+        "compute_dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
+    }
 
 
 def _settings(trainer) -> dict:
