@@ -656,3 +656,42 @@ def test_nf4_checkpoint_records_its_base_and_load_rebuilds_it(checkpoint, tmp_pa
     with torch.no_grad():
         assert (model(input_ids=ids).logits - expected).abs().max().item() > 1e-4
     model._deg_stream_runtime.close()
+
+
+def test_a_second_run_reads_the_4bit_cache_back_and_other_settings_get_their_own(checkpoint, tmp_path, monkeypatch):
+    """stream_cache_dir entries are keyed by the source and the 4-bit settings: a second run with the
+    same settings reads the quantized store back (quantizing nothing), other settings quantize anew."""
+    from deg_hf.streaming import quant as q
+    from deg_hf.streaming.quant import QuantSpec
+
+    calls = []
+    for name in ("quantize_into", "quantize_chunked"):
+        original = getattr(q, name)
+
+        def counting(*args, _original=original, **kwargs):
+            calls.append(1)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(q, name, counting)
+    path, cache = checkpoint("llama"), tmp_path / "cache"
+
+    def store_of(spec):
+        calls.clear()
+        model, runtime = _streamed(path, spec.quant_type, spec.double, cache_dir=str(cache))
+        return runtime, len(calls)
+
+    first, quantized = store_of(QuantSpec("nf4", 64, True))
+    assert quantized > 0  # control: the counter sees the first fill
+    again, quantized_again = store_of(QuantSpec("nf4", 64, True))
+    assert quantized_again == 0
+    assert all(torch.equal(a, b) for a, b in zip(first.store.flat, again.store.flat))
+    keys = set(os.listdir(cache))
+    assert len(keys) == 1 and next(iter(keys)).endswith("-float32-nf4-b64-dq")
+    for runtime in (first, again):
+        runtime.close()
+
+    for spec in (QuantSpec("fp4", 64, True), QuantSpec("nf4", 64, False)):
+        other, quantized = store_of(spec)
+        assert quantized > 0
+        other.close()
+    assert len(set(os.listdir(cache))) == 3
