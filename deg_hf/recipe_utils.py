@@ -175,6 +175,14 @@ def print_summary(trainer, accuracy: tuple | None = None) -> None:
                  ("bytes moved host -> device", f"{stream['bytes_moved'] / 2**20:.1f} MiB"),
                  ("layer store / device buffers",
                   f"{stream['store_bytes'] / 2**20:.2f} MiB / {stream['buffer_bytes'] / 2**20:.2f} MiB")]
+        quant = stream.get("quantization")
+        if quant:
+            rows.append(("4-bit base (store vs unquantized)",
+                         f"{quant['quant_type'].upper()}: {stream['store_bytes'] / 2**20:.2f} MiB vs "
+                         f"{stream['store_unquantized_bytes'] / 2**20:.2f} MiB"))
+        tiers = stream.get("tiers") or {}
+        if tiers.get("placement"):
+            rows.append(("store placement", str(tiers["placement"])))
     else:
         rows.append(("layer streaming", "off (resident)"))
     totals = record["memory"]["totals"]

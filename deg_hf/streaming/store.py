@@ -222,7 +222,11 @@ class WeightStore:
                     f"the disk has {_gib(free)} free. The store stays in RAM.", stacklevel=3,
                 )
                 self.cache = cache = None
-        if on_disk:
+        if on_disk and tier == "disk":
+            # said at warning level: it writes the store's size to that drive
+            logger.warning("deg_hf: stream_tier='disk': %d of %d decoder layers (%s) stream from the layer cache at %s.",
+                           len(sizes), len(sizes), _gib(sum(sizes)), cache.path)
+        elif on_disk:
             logger.warning(
                 "deg_hf: %d of %d decoder layers (%s of %s) do not fit the host-memory budget of %s and "
                 "stream from the layer cache at %s (%s).", len(on_disk), len(sizes),
