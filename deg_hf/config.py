@@ -328,6 +328,14 @@ def _check_dtype(key: str, value) -> None:
 
 
 def _lazy_config_classes():
+    import os
+
+    # the ORPO and SimPO configs build on TRL's experimental ORPO/CPO configs; a user asking for a
+    # DPO config did not import anything experimental, so TRL's notice about it is ours to keep quiet
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from deg_hf.notices import quiet_upstream_notices
+
+    quiet_upstream_notices()
     from transformers import TrainingArguments
     from trl import DPOConfig, KTOConfig, SFTConfig
     from trl.experimental.cpo import CPOConfig

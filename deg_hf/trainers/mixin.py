@@ -18,6 +18,7 @@ import inspect
 import logging
 
 from deg_hf.config import ROLLOUT_REFUSAL, check_model_init_kwargs, stream_settings
+from deg_hf.notices import quiet_upstream_notices
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class StreamingSetupMixin:
                 raise TypeError(ROLLOUT_REFUSAL.format(name=base.__name__))
 
     def __init__(self, *args, **kwargs):
+        quiet_upstream_notices()
         # bind by the upstream signature, so positional calls work as they do upstream (DPOTrainer
         # takes `ref_model` second, Trainer takes `args` second)
         upstream = super().__init__
