@@ -468,7 +468,8 @@ def test_hub_base_is_hashed_from_the_cached_config_and_its_snapshot_commit(tmp_p
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", cached)
     section = base_model_section(trainer)
     assert asked == [("org/tiny", "config.json")]
-    assert section == {"name_or_path": "org/tiny", "revision": commit, "config_sha256": config_sha256(snapshot)}
+    assert section == {"name_or_path": "org/tiny", "revision": commit, "config_sha256": config_sha256(snapshot),
+                       "quantization": None}
 
     # streamed: the weight store's directory is the snapshot; the Hub cache is not asked
     asked.clear()
