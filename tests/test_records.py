@@ -482,4 +482,5 @@ def test_hub_base_is_hashed_from_the_cached_config_and_its_snapshot_commit(tmp_p
     config._commit_hash = commit
     assert base_model_section(trainer) == {
         "name_or_path": "org/tiny", "revision": commit, "config_sha256": config_sha256({"other": 1}),
+        "quantization": None,
     }

@@ -130,7 +130,8 @@ def base_quantization(trainer, base) -> dict | None:
     dtype): the streamed store's, or a resident model's bitsandbytes config; None at full precision."""
     runtime = getattr(trainer, "stream_runtime", None)
     if runtime is not None:
-        return runtime.store.quantization()
+        describe = getattr(getattr(runtime, "store", None), "quantization", None)
+        return describe() if callable(describe) else None
     config = getattr(getattr(base, "config", None), "quantization_config", None)
     if not getattr(base, "is_quantized", False) or config is None:
         return None
