@@ -21,6 +21,7 @@ import weakref
 
 import torch
 
+from deg_hf.config import check_setting
 from deg_hf.streaming.quant import SEP, dequantize_into
 from deg_hf.streaming.store import WeightStore
 
@@ -31,8 +32,7 @@ class RuntimeClosed(RuntimeError):
 
 class StreamRuntime:
     def __init__(self, store: WeightStore, device: torch.device | str, n_buffers: int = 2):
-        if n_buffers < 1:
-            raise ValueError(f"stream_buffers must be >= 1, got {n_buffers}")
+        check_setting("stream_buffers", n_buffers)
         self.store = store
         self.device = torch.device(device)
         self.n_buffers = n_buffers
