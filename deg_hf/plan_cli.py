@@ -2,18 +2,19 @@
 
 Reads the model's ``config.json`` (a local directory, a path to the file, or a Hub id: only that
 one file is downloaded), never its weights, and needs no GPU. Every number comes from
-:mod:`deg_hf.memory.coef` (the formulas are in its module docstring) and :mod:`deg_hf.memory.planner`:
+:mod:`deg_hf.memory.static` (weights and adapter state), :mod:`deg_hf.memory.coef` (the activation
+formula is in its module docstring) and :mod:`deg_hf.memory.planner`:
 
-* weights and adapter state: :func:`~deg_hf.memory.coef.static_breakdown` with bf16 weights,
+* weights and adapter state: :func:`~deg_hf.memory.static.static_breakdown` with bf16 weights,
   fp32 LoRA parameters, their fp32 gradients and AdamW's two fp32 moments;
 * activations: :meth:`~deg_hf.memory.planner.MemPlanner.estimate` of one micro-batch of
   ``batch x rows_per_example`` rows of ``max_length`` tokens (gradient checkpointing on, as in
   TRL's configs and always under streaming; sdpa attention; TRL's fused LM head for SFT, DPO and KTO);
 * the largest batch: :meth:`~deg_hf.memory.planner.MemPlanner.largest_batch` under the same target;
 * a 4-bit base (``--quantization nf4``, or a checkpoint saved 4-bit by bitsandbytes): Linear weights
-  at :func:`~deg_hf.memory.coef.quant_bytes_per_weight` bytes, plus the dequantized compute buffers
+  at :func:`~deg_hf.memory.static.quant_bytes_per_weight` bytes, plus the dequantized compute buffers
   of the layers in flight;
-* the host: the streamed store (:func:`~deg_hf.memory.coef.host_store_bytes`) against the host
+* the host: the streamed store (:func:`~deg_hf.memory.static.host_store_bytes`) against the host
   memory the store may use (:func:`deg_hf.streaming.host.host_budget`: this machine's available
   memory, or ``--host-mem``), and the layers the RAM and disk tiers would hold.
 
@@ -41,7 +42,7 @@ OPTIMIZER = "adamw"
 ATTENTION = "sdpa"
 QUANT_TYPES = ("nf4", "fp4")
 QUANT_BLOCKSIZE = 64  # StreamConfig's stream_quant_blocksize default
-FORMULA_SOURCE = "deg_hf.memory.coef (module docstring: static_breakdown for weights, estimate for activations)"
+FORMULA_SOURCE = "deg_hf.memory.static (static_breakdown for weights) and deg_hf.memory.coef (module docstring: estimate for activations)"
 
 _GIB = 1 << 30
 
@@ -150,15 +151,15 @@ def plan(config: dict, *, task: str, batch: int, max_length: int, vram: float, l
     store's bytes (and unquantized, for comparison), the budget it gets (``host_mem`` GiB of host
     memory, default this machine's) and the layers each tier would hold.
     """
-    from deg_hf.memory.coef import (
+    from deg_hf.memory.dims import model_dims
+    from deg_hf.memory.planner import MemPlanner
+    from deg_hf.memory.static import (
         host_store_bytes,
         layer_param_count,
         lora_param_count,
-        model_dims,
         quant_bytes_per_weight,
         static_breakdown,
     )
-    from deg_hf.memory.planner import MemPlanner
     from deg_hf.streaming.host import describe_placement, plan_placement
 
     _check_inputs(task, batch, max_length, vram, lora_r)

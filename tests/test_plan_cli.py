@@ -24,8 +24,8 @@ def _gib(value: int) -> str:
 
 def _expected(task="dpo", batch=4, max_length=2048, vram=8.0, lora_r=16):
     """The plan recomputed from the planner API, independently of deg_hf.plan_cli."""
-    from deg_hf.memory.coef import lora_param_count, static_breakdown
     from deg_hf.memory.planner import MemPlanner
+    from deg_hf.memory.static import lora_param_count, static_breakdown
 
     config = json.loads((FIXTURE / "config.json").read_text())
     rows = 2 if task in ("dpo", "orpo", "simpo") else 1
@@ -91,7 +91,7 @@ def test_plan_of_a_7b_dpo_run_on_8_gib(capsys):
     assert parts == ["-", str(math.ceil(4 / n))]
 
     assert "no weights read" in text
-    assert "deg_hf.memory.coef (module docstring" in text
+    assert "deg_hf.memory.coef (module docstring" in text and "deg_hf.memory.static (static_breakdown" in text
     assert "resident: does not fit even one example" in text
 
 
@@ -116,7 +116,7 @@ LLAMA_70B = Path(__file__).parent / "fixtures" / "llama-70b"
 def test_plan_of_70b_nf4_dpo_on_one_24_gib_gpu_and_a_64_gib_host(capsys):
     """The north star: a 70B Llama in NF4 (double quantization) streams from a 64 GiB host and a DPO
     micro-batch of 2 pairs x 1024 tokens fits a 24 GiB device."""
-    from deg_hf.memory.coef import layer_param_count, quant_bytes_per_weight
+    from deg_hf.memory.static import layer_param_count, quant_bytes_per_weight
     from deg_hf.plan_cli import plan, read_config
 
     argv = ["plan", str(LLAMA_70B), "--task", "dpo", "--batch", "2", "--max-length", "1024", "--vram", "24",

@@ -282,7 +282,7 @@ def test_every_trainer_trains_on_nf4_with_one_store_and_no_reference_model(check
     stats = runtime.stats()
     assert stats["bytes_moved"] > 0 and stats["dequantized"] > 0
     # honest parameter counts: the base counts at its true size, not as packed 4-bit placeholders
-    from deg_hf.memory.coef import layer_param_count
+    from deg_hf.memory.static import layer_param_count
 
     base = trainer.model.base_model.model
     true_total = sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
@@ -581,7 +581,7 @@ def test_the_planner_counts_quantized_layers_and_their_compute_buffers(checkpoin
     dequantized compute buffers: the runtime's own device buffers, up to per-tensor constants."""
     from test_preference import build
 
-    from deg_hf.memory.coef import layer_linear_count, quant_bytes_per_weight, static_breakdown
+    from deg_hf.memory.static import layer_linear_count, quant_bytes_per_weight, static_breakdown
 
     path = checkpoint("llama", hidden_size=128, intermediate_size=256)
     trainer = build("dpo", path, tmp_path, stream_quantization="nf4", mem_target_gb=4)

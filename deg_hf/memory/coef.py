@@ -1,4 +1,5 @@
-"""The memory model: coefficients, model sizes, the activation estimate, static bytes (pure Python).
+"""The activation estimate of the memory model and its coefficients (pure Python). Model sizes are
+read in :mod:`deg_hf.memory.dims`; weights, adapters and optimizer state in :mod:`deg_hf.memory.static`.
 
 One training micro-batch ("part") of a decoder-only transformer with LoRA adapters is charged
 
@@ -61,22 +62,20 @@ from __future__ import annotations
 
 import json
 import math
-import operator
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from deg_hf.memory.dims import model_dims, non_negative_int
 
 __all__ = [
     "GIB",
     "MIB",
     "TRL_LM_HEAD_TILE_TOKENS",
     "TRL_LM_HEAD_TILE_VOCAB",
-    "LORA_MODULES",
     "MemCoef",
-    "ModelDims",
     "Features",
-    "model_dims",
     "features",
     "estimate",
     "breakdown",
@@ -84,11 +83,6 @@ __all__ = [
     "activation_bytes",
     "LM_HEAD_TERMS",
     "LAYER_TERMS",
-    "lora_param_count",
-    "layer_param_count",
-    "static_breakdown",
-    "static_bytes",
-    "non_negative_int",
 ]
 
 MIB = 1 << 20
@@ -102,9 +96,6 @@ TRL_LM_HEAD_TILE_VOCAB = 32768
 # Attention kernels that never materialise the (rows, heads, P, P) score matrix.
 _NO_MASK_ATTN = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
 _MEMORY_EFFICIENT_ATTN = ("sdpa", *_NO_MASK_ATTN, "paged_attention")
-
-# Adam keeps two moments per trainable parameter.
-_ADAM_STATES = 2
 
 
 # ----------------------------------------------------------------------------- coefficients
@@ -218,150 +209,6 @@ def _check_coef(name: str, value: Any) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"memory coefficient {name!r} must be finite and >= 0, got {value!r}")
     return value
-
-
-# ----------------------------------------------------------------------------- model dimensions
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The few sizes of a decoder-only transformer the estimate needs."""
-
-    hidden: int
-    intermediate: int  # activation width of the MLP per token (routed experts included)
-    layers: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool = False
-    mask_kinds: int = 1  # distinct attention-mask kinds (sliding + full: 2)
-    experts: int = 0  # routed experts per MoE layer (0: dense MLP)
-    expert_intermediate: int = 0
-    shared_intermediate: int = 0
-    dense_intermediate: int = 0  # the config's intermediate_size (dense MLP width)
-
-
-_ALIASES = {
-    "hidden_size": ("hidden_size", "n_embd", "d_model"),
-    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "vocab_size": ("vocab_size",),
-    "intermediate_size": ("intermediate_size", "n_inner", "ffn_dim"),
-    "num_attention_heads": ("num_attention_heads", "n_head"),
-    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"),
-    "head_dim": ("head_dim",),
-    "tie_word_embeddings": ("tie_word_embeddings",),
-    "layer_types": ("layer_types",),
-    "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
-    "num_experts_per_tok": ("num_experts_per_tok",),
-    "moe_intermediate_size": ("moe_intermediate_size",),
-    "shared_expert_intermediate_size": ("shared_expert_intermediate_size",),
-    "n_shared_experts": ("n_shared_experts",),
-}
-
-
-def _raw(cfg: Any, key: str) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(key)
-    return getattr(cfg, key, None)
-
-
-def _text_config(cfg: Any) -> Any:
-    """The language-model part of a (possibly multimodal) config."""
-    if cfg is None:
-        raise ValueError("model_config is required")
-    if not isinstance(cfg, Mapping):
-        getter = getattr(cfg, "get_text_config", None)
-        if callable(getter):  # transformers.PretrainedConfig
-            try:
-                return getter()
-            except TypeError:
-                pass
-    if _raw(cfg, "hidden_size") is None:
-        for key in ("text_config", "language_config", "llm_config"):
-            sub = _raw(cfg, key)
-            if sub is not None:
-                return sub
-    return cfg
-
-
-def _lookup(text: Any, top: Any, name: str) -> Any:
-    # the text sub-config first; multimodal configs keep e.g. tie_word_embeddings at the top
-    for cfg in (text, top):
-        for key in _ALIASES[name]:
-            value = _raw(cfg, key)
-            if value is not None:
-                return value
-    return None
-
-
-def non_negative_int(name: str, value: Any) -> int:
-    """``value`` as a non-negative int (numpy/torch integers welcome, bools and floats not)."""
-    try:
-        out = operator.index(value)
-    except TypeError:
-        out = None
-    if isinstance(value, bool) or out is None or out < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return out
-
-
-def model_dims(model_config: Any) -> ModelDims:
-    """Read the sizes from a config.json dict or a config object (``text_config`` honoured).
-
-    ``hidden_size``, ``num_hidden_layers`` and ``vocab_size`` are required; the rest default
-    like a Llama config (``intermediate_size = 4 H``, 128-wide heads, no grouped-query attention,
-    untied embeddings, which is the larger choice). For MoE configs the per-token MLP activation
-    width is ``experts_per_tok * expert_intermediate + shared_intermediate``.
-    """
-    if isinstance(model_config, ModelDims):
-        return model_config
-    text = _text_config(model_config)
-    top = model_config
-    got: dict[str, int] = {}
-    for name in ("hidden_size", "num_hidden_layers", "vocab_size"):
-        value = _lookup(text, top, name)
-        if value is None:
-            raise ValueError(f"model config has no {name}")
-        got[name] = non_negative_int(name, value)
-    hidden = got["hidden_size"]
-    heads = _lookup(text, top, "num_attention_heads")
-    heads = max(1, hidden // 128) if heads is None else max(1, non_negative_int("num_attention_heads", heads))
-    kv = _lookup(text, top, "num_key_value_heads")
-    kv = heads if kv is None else non_negative_int("num_key_value_heads", kv)
-    head_dim = _lookup(text, top, "head_dim")
-    head_dim = hidden // heads if head_dim is None else non_negative_int("head_dim", head_dim)
-    inter = _lookup(text, top, "intermediate_size")
-    inter = 4 * hidden if inter is None else non_negative_int("intermediate_size", inter)
-    tie = _lookup(text, top, "tie_word_embeddings")
-    layer_types = _lookup(text, top, "layer_types")
-    attn_kinds = {t for t in layer_types or () if isinstance(t, str) and "attention" in t}
-    experts = _lookup(text, top, "experts")
-    experts = 0 if experts is None else non_negative_int("num_experts", experts)
-    per_tok = non_negative_int("num_experts_per_tok", _lookup(text, top, "num_experts_per_tok") or 0)
-    expert_inter = non_negative_int("moe_intermediate_size", _lookup(text, top, "moe_intermediate_size") or inter)
-    shared = _lookup(text, top, "shared_expert_intermediate_size")
-    if shared is None:
-        shared = non_negative_int("n_shared_experts", _lookup(text, top, "n_shared_experts") or 0) * expert_inter
-    shared = non_negative_int("shared_expert_intermediate_size", shared)
-    act_inter = inter
-    if experts and per_tok:
-        act_inter = max(inter, per_tok * expert_inter + shared)
-    return ModelDims(
-        hidden=hidden,
-        intermediate=act_inter,
-        layers=got["num_hidden_layers"],
-        vocab=got["vocab_size"],
-        heads=heads,
-        kv_heads=kv,
-        head_dim=head_dim,
-        tie_word_embeddings=bool(tie),
-        mask_kinds=max(1, len(attn_kinds)),
-        experts=experts if per_tok else 0,
-        expert_intermediate=expert_inter if experts and per_tok else 0,
-        shared_intermediate=shared if experts and per_tok else 0,
-        dense_intermediate=inter,
-    )
 
 
 # ----------------------------------------------------------------------------- features
@@ -573,153 +420,3 @@ def estimate(features: Features, coef: MemCoef | None = None, scale: float = 1.0
     parts = breakdown(features, coef)
     rest = activation_bytes(parts, features.checkpointing)
     return parts["workspace"] + (rest if scale == 1.0 else math.ceil(scale * rest))
-
-
-# ----------------------------------------------------------------------------- static memory
-
-# LoRA target name -> (in features, out features) as a function of the dims
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _linear_shapes(d: ModelDims) -> dict[str, tuple[int, int]]:
-    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    inter = d.dense_intermediate or d.intermediate
-    return {
-        "q_proj": (d.hidden, q),
-        "k_proj": (d.hidden, kv),
-        "v_proj": (d.hidden, kv),
-        "o_proj": (q, d.hidden),
-        "gate_proj": (d.hidden, inter),
-        "up_proj": (d.hidden, inter),
-        "down_proj": (inter, d.hidden),
-    }
-
-
-def lora_param_count(model_config: Any, r: int, target_modules: str | Iterable[str] = "all-linear") -> int:
-    """LoRA parameters (``r * (in + out)`` per targeted projection per layer) of a dense decoder.
-
-    ``target_modules`` is ``"all-linear"`` (all seven projections, as PEFT does, LM head excluded)
-    or names among :data:`LORA_MODULES` (``"q"`` is accepted for ``"q_proj"``). MoE expert weights
-    are not counted.
-    """
-    d = model_dims(model_config)
-    non_negative_int("r", r)
-    shapes = _linear_shapes(d)
-    if isinstance(target_modules, str):
-        names = list(LORA_MODULES) if target_modules == "all-linear" else [target_modules]
-    else:
-        names = list(target_modules)
-    per_layer = 0
-    for name in dict.fromkeys(names):  # PEFT wraps each module once
-        key = name if name in shapes else f"{name}_proj"
-        if key not in shapes:
-            raise ValueError(f"unknown LoRA target module {name!r} (known: {', '.join(LORA_MODULES)})")
-        fan_in, fan_out = shapes[key]
-        per_layer += r * (fan_in + fan_out)
-    return per_layer * d.layers
-
-
-def layer_param_count(model_config: Any) -> int:
-    """Weights of one decoder layer: attention, MLP (or experts + router) and two norms."""
-    d = model_dims(model_config)
-    s = _linear_shapes(d)
-    attn = sum(s[k][0] * s[k][1] for k in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    if d.experts:
-        mlp = d.experts * 3 * d.hidden * d.expert_intermediate + d.hidden * d.experts
-        mlp += 3 * d.hidden * d.shared_intermediate
-    else:
-        mlp = sum(s[k][0] * s[k][1] for k in ("gate_proj", "up_proj", "down_proj"))
-    return attn + mlp + 2 * d.hidden
-
-
-def _optimizer_state_bytes(optimizer: str, trainable_dtype_bytes: float) -> float:
-    name = optimizer.lower()
-    if name in ("sgd", "none") or name.startswith("adafactor"):
-        return 0.0  # plain SGD keeps nothing; Adafactor's factored moments are negligible here
-    if "8bit" in name:
-        return _ADAM_STATES * 1.0  # two 8-bit moments (block scales are negligible)
-    if "lion" in name:
-        return 1.0 * trainable_dtype_bytes  # one momentum
-    return _ADAM_STATES * trainable_dtype_bytes  # Adam(W) and anything unknown: two moments
-
-
-def quant_bytes_per_weight(blocksize: int = 64, double: bool = True) -> float:
-    """Host and transfer bytes per 4-bit weight as bitsandbytes stores it: half a byte packed, plus
-    its block's absmax (fp32 per ``blocksize`` weights; with double quantization one byte, plus an
-    fp32 absmax per 256 blocks). Per-tensor constants (code books, offset) are left out."""
-    if blocksize < 1:
-        raise ValueError(f"blocksize must be >= 1, got {blocksize!r}")
-    return 0.5 + (1 / blocksize + 4 / (blocksize * 256) if double else 4 / blocksize)
-
-
-def layer_linear_count(model_config: Any) -> int:
-    """Weights of one decoder layer that sit in Linear layers (what bitsandbytes quantizes): all but
-    the norms."""
-    return layer_param_count(model_config) - 2 * model_dims(model_config).hidden
-
-
-def host_store_bytes(model_config: Any, *, dtype_bytes: float = 2, quant_bytes_per_weight: float | None = None) -> int:
-    """The host store of every decoder layer: Linear weights at ``quant_bytes_per_weight`` when 4-bit
-    (norms stay at ``dtype_bytes``), else everything at ``dtype_bytes``."""
-    d = model_dims(model_config)
-    linear = layer_linear_count(d)
-    wb = dtype_bytes if quant_bytes_per_weight is None else quant_bytes_per_weight
-    return math.ceil(d.layers * (linear * wb + (layer_param_count(d) - linear) * dtype_bytes))
-
-
-def static_breakdown(
-    model_config: Any,
-    *,
-    streaming: bool = True,
-    stream_buffers: int = 2,
-    lora_params: int = 0,
-    optimizer: str = "adamw",
-    dtype_bytes: float = 2,
-    trainable_dtype_bytes: float = 4,
-    weight_dtype_bytes: float | None = None,
-    quant_bytes_per_weight: float | None = None,
-) -> dict[str, int]:
-    """Device bytes held outside activations, per component.
-
-    ``resident``: embeddings, final norm and an untied LM head in ``dtype_bytes``. ``layers``:
-    decoder weights in ``weight_dtype_bytes`` (default ``dtype_bytes``), either ``stream_buffers``
-    layers in flight when streaming or all of them. ``adapters``, ``grads`` and ``optimizer``: LoRA
-    parameters, their gradients (both in ``trainable_dtype_bytes``) and the optimizer state (Adam:
-    two moments).
-
-    With ``quant_bytes_per_weight`` (a 4-bit base, :func:`quant_bytes_per_weight`) the layers' Linear
-    weights are counted at that many bytes (norms at ``dtype_bytes``), and a ``dequantized`` entry is
-    added: streamed, each buffer's compute buffer holding its layer's Linear weights dequantized to
-    ``dtype_bytes``; resident (bitsandbytes' QLoRA), the largest weight dequantized for one matmul.
-    """
-    d = model_dims(model_config)
-    wb = dtype_bytes if weight_dtype_bytes is None else weight_dtype_bytes
-    for name, value in (("dtype_bytes", dtype_bytes), ("trainable_dtype_bytes", trainable_dtype_bytes),
-                        ("weight_dtype_bytes", wb)):
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
-    non_negative_int("stream_buffers", stream_buffers)
-    non_negative_int("lora_params", lora_params)
-    embed = d.vocab * d.hidden * (1 if d.tie_word_embeddings else 2)
-    in_flight = min(stream_buffers, d.layers) if streaming else d.layers
-    out = {
-        "resident": math.ceil((embed + d.hidden) * dtype_bytes),
-        "layers": math.ceil(in_flight * layer_param_count(d) * wb),
-        "adapters": math.ceil(lora_params * trainable_dtype_bytes),
-        "grads": math.ceil(lora_params * trainable_dtype_bytes),
-        "optimizer": math.ceil(lora_params * _optimizer_state_bytes(optimizer, trainable_dtype_bytes)),
-    }
-    if quant_bytes_per_weight is not None:
-        linear = layer_linear_count(d)
-        out["layers"] = math.ceil(in_flight * (linear * quant_bytes_per_weight
-                                               + (layer_param_count(d) - linear) * dtype_bytes))
-        if streaming:
-            out["dequantized"] = math.ceil(in_flight * linear * dtype_bytes)
-        else:
-            out["dequantized"] = math.ceil(max(a * b for a, b in _linear_shapes(d).values()) * dtype_bytes)
-    return out
-
-
-def static_bytes(model_config: Any, **kwargs: Any) -> int:
-    """Sum of :func:`static_breakdown` (same keyword arguments)."""
-    return sum(static_breakdown(model_config, **kwargs).values())

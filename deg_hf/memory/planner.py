@@ -24,9 +24,8 @@ from deg_hf.memory.coef import (
     breakdown,
     estimate,
     features,
-    model_dims,
-    non_negative_int,
 )
+from deg_hf.memory.dims import model_dims, non_negative_int
 
 __all__ = ["Example", "Part", "MemPlanner"]
 

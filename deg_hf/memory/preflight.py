@@ -10,8 +10,9 @@ then runs once the trainer has tokenised it.
 
 from __future__ import annotations
 
-from deg_hf.memory.coef import GIB, MIB, MemCoef, lora_param_count, static_breakdown
+from deg_hf.memory.coef import GIB, MIB, MemCoef
 from deg_hf.memory.planner import MemPlanner
+from deg_hf.memory.static import lora_param_count, static_breakdown
 
 #: the largest target a planner uses when none applies (CPU without mem_target_gb): everything fits
 UNLIMITED = 1 << 60
@@ -50,7 +51,7 @@ def make_planner(model_config, settings, *, device, streaming: bool, trainable_p
     """The planner a trainer plans with. ``checkpointing`` (None: on when streaming) says whether
     decoder layers keep only their inputs for the backward (streaming always; resident with
     ``gradient_checkpointing``). ``quant_bytes``: bytes per weight of a 4-bit base
-    (:func:`~deg_hf.memory.coef.quant_bytes_per_weight`), whose layers in flight are counted
+    (:func:`~deg_hf.memory.static.quant_bytes_per_weight`), whose layers in flight are counted
     quantized plus their dequantized compute buffers."""
     static = sum(static_breakdown(
         model_config, streaming=streaming, stream_buffers=settings.stream_buffers,

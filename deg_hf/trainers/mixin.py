@@ -379,7 +379,7 @@ class StreamingSetupMixin:
 
     def _deg_quant_bytes(self, base, settings) -> float | None:
         """Bytes per weight of the 4-bit base this run trains against, as built (None: not 4-bit)."""
-        from deg_hf.memory.coef import quant_bytes_per_weight
+        from deg_hf.memory.static import quant_bytes_per_weight
 
         if self.stream_runtime is not None:
             info = self.stream_runtime.store.quantization()
@@ -743,7 +743,8 @@ def _refuse_base_reading_peft(peft_config, *, created: bool = False) -> None:
 
 def _all_params(model_config) -> int:
     """Every weight of the model (a full fine-tune trains them all), from its config."""
-    from deg_hf.memory.coef import layer_param_count, model_dims
+    from deg_hf.memory.dims import model_dims
+    from deg_hf.memory.static import layer_param_count
 
     d = model_dims(model_config)
     return d.layers * layer_param_count(model_config) + d.vocab * d.hidden * (1 if d.tie_word_embeddings else 2) + d.hidden
@@ -768,7 +769,7 @@ def _planned_quant_bytes(settings, args, model_config, saved=None) -> float | No
     """Bytes per weight of the 4-bit base a run will build, from its settings, model_init_kwargs and
     the checkpoint's own config (pre-quantized); None for an unquantized base, or when the request is
     invalid (the build refuses it with the reason)."""
-    from deg_hf.memory.coef import quant_bytes_per_weight
+    from deg_hf.memory.static import quant_bytes_per_weight
     from deg_hf.streaming import quant
 
     requested = dict(getattr(args, "model_init_kwargs", None) or {}).get("quantization_config")
