@@ -33,21 +33,34 @@ def main() -> None:
     from deg_hf.streaming.shared import store_pss_bytes
 
     t0 = time.perf_counter()
+    from deg_hf.streaming.quant import QuantSpec
+
     budget = os.environ.get("DEG_TEST_BUILDER_HOST_MEM_GB") if rank == 0 else None  # only the builder refuses
-    _, runtime = build_streamed_model(checkpoint, device=torch.device("cpu"), progress=False, tier="ram",
-                                      host_mem_gb=float(budget) if budget else None)
+    budget = budget or os.environ.get("DEG_TEST_HOST_MEM_GB")
+    quant = os.environ.get("DEG_TEST_QUANT")
+    _, runtime = build_streamed_model(
+        checkpoint, device=torch.device("cpu"), progress=False, tier=os.environ.get("DEG_TEST_TIER", "ram"),
+        host_mem_gb=float(budget) if budget else None, cache_dir=os.environ.get("DEG_TEST_CACHE_DIR"),
+        quantization=QuantSpec(quant) if quant else None)
     built_s = time.perf_counter() - t0
     store = runtime.store
     digest = hashlib.sha256()
     for block in store.flat:
-        digest.update(block.numpy().tobytes())
+        if block is not None:
+            digest.update(block.numpy().tobytes())
+    # what the layers compute with: every layer fetched (RAM or disk; 4-bit ones dequantized)
+    fetched = hashlib.sha256()
+    for i in range(store.n_layers):
+        for name, tensor in sorted(runtime.fetch(i).items()):
+            fetched.update(name.encode() + tensor.contiguous().view(torch.uint8).numpy().tobytes())
     if "hold" in mode:
         time.sleep(3600)
     os.makedirs(out, exist_ok=True)
     open(os.path.join(out, f"ready-{rank}"), "w").close()
     wait_for([os.path.join(out, f"ready-{r}") for r in range(world)])
     record = {"rank": rank, "share": store.share_stats(), "pss": store_pss_bytes(store), "bytes": store.ram_bytes,
-              "digest": digest.hexdigest(), "built_s": built_s, "ready_at": time.time()}
+              "digest": digest.hexdigest(), "fetched": fetched.hexdigest(),
+              "placement": store.placement, "quantized": store.quantized, "built_s": built_s, "ready_at": time.time()}
     open(os.path.join(out, f"measured-{rank}"), "w").close()
     wait_for([os.path.join(out, f"measured-{r}") for r in range(world)])  # nobody unmaps while another measures
     runtime.close()

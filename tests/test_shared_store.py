@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import requires_cuda
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "shared_worker.py"
@@ -89,6 +90,39 @@ def test_local_ranks_map_one_store(checkpoint, shm, tmp_path):
     assert list(shm.iterdir()) == []
 
 
+def test_a_4bit_store_split_between_ram_and_disk_is_shared(checkpoint, shm, tmp_path):
+    """NF4 blocks and the disk tier: the builder quantizes and writes the cache; the other rank maps
+    the RAM layer and reads the disk layer from the builder's cache. Every layer computes with the
+    same weights on both ranks and as in a store built alone."""
+    import hashlib
+
+    import torch
+
+    from deg_hf.streaming.build import build_streamed_model
+    from deg_hf.streaming.quant import QuantSpec
+
+    budget_gb = 1.5 / 1024  # one 4-bit layer (~1.2 MiB) fits, two do not
+    env = {"DEG_TEST_QUANT": "nf4", "DEG_TEST_TIER": "auto", "DEG_TEST_HOST_MEM_GB": str(budget_gb),
+           "DEG_TEST_CACHE_DIR": str(tmp_path / "cache")}
+    shared, _ = _node(checkpoint, tmp_path / "shared", shm, **env)
+    for r in (0, 1):
+        assert shared[r]["quantized"] and shared[r]["placement"] == ["ram", "disk"]
+    assert [shared[r]["share"]["role"] for r in (0, 1)] == ["built", "attached"]
+    assert shared[0]["share"]["bytes"] == shared[0]["bytes"] < 1.5 * 2**20  # only the RAM layer is shared
+    assert list(shm.iterdir()) == []
+    # a store built alone, in this process (no launcher: nothing shared), all in RAM
+    _, alone = build_streamed_model(checkpoint, device="cpu", progress=False, tier="ram", quantization=QuantSpec("nf4"))
+    try:
+        assert alone.store.share_stats() == {"shared": False, "ranks": 1}
+        fetched = hashlib.sha256()
+        for i in range(alone.store.n_layers):
+            for name, tensor in sorted(alone.fetch(i).items()):
+                fetched.update(name.encode() + tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    finally:
+        alone.close()
+    assert shared[0]["fetched"] == shared[1]["fetched"] == fetched.hexdigest()
+
+
 def test_a_killed_run_leaves_a_store_the_next_run_replaces(checkpoint, shm, tmp_path):
     # rank 0 alone publishes the store and waits for rank 1 to map it: killed there, the file stays
     lone = _start(checkpoint, tmp_path / "killed", shm, 0)
@@ -147,3 +181,61 @@ def test_node_ranks_from_the_launchers_environment(monkeypatch):
     assert node_ranks({}) is None  # not launched by torchrun / accelerate
     monkeypatch.setenv("DEG_HF_SHARE_STORE", "0")
     assert node_ranks(base) is None
+
+
+def _segment_pair(shm, monkeypatch, nbytes=1 << 16):
+    """A builder's segment filled and published, and a second rank's read-only mapping of it (one process)."""
+    import torch
+
+    from deg_hf.streaming.shared import NodeRanks, SharedSegment, SharedStoreError
+
+    monkeypatch.setenv("DEG_HF_SHM_DIR", str(shm))
+    builder, other = NodeRanks(0, 2, 0, "t" * 16), NodeRanks(1, 2, 0, "t" * 16)
+    segment = SharedSegment.create(builder, "key", {0: 0}, nbytes, {})
+    segment.data.copy_(torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8))
+    # while it is being written the file has another name: never read half-written
+    assert [p.name for p in shm.iterdir()] == ["deg-hf-store-" + "t" * 16 + ".building"]
+    with pytest.raises(SharedStoreError, match="waited 0 s for local rank 0"):
+        SharedSegment.attach(other, "key", timeout=0.2)
+    segment.publish()
+    with pytest.raises(SharedStoreError, match="holds another store"):
+        SharedSegment.attach(other, "another key", timeout=5)
+    mapped = SharedSegment.attach(other, "key", timeout=5)
+    return segment, mapped
+
+
+def test_a_segment_is_read_only_and_outlives_its_name(shm, monkeypatch):
+    import torch
+
+    segment, mapped = _segment_pair(shm, monkeypatch)
+    assert torch.equal(mapped.data, segment.data) and mapped.data.data_ptr() != segment.data.data_ptr()
+    with pytest.raises(TypeError, match="readonly"):  # both mappings are read-only once published
+        mapped._mm[0] = 1
+    with pytest.raises(TypeError, match="readonly"):
+        segment._mm[0] = 1
+    segment.wait_for_ranks(timeout=5)  # rank 1 has attached: the name goes
+    assert list(shm.iterdir()) == []
+    assert int(mapped.data[1000]) == 1000 % 251  # the memory lives while mapped
+    mapped.close()
+    segment.close()
+
+
+@requires_cuda
+def test_the_shared_pages_are_pinned_for_asynchronous_copies(shm, monkeypatch):
+    import torch
+
+    segment, mapped = _segment_pair(shm, monkeypatch, nbytes=64 << 20)
+    try:
+        assert mapped.pin() and mapped.pinned and mapped.data.is_pinned()
+        assert segment.pin() and segment.data.is_pinned()
+        device = torch.empty_like(mapped.data, device="cuda")
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            device.copy_(mapped.data, non_blocking=True)
+        stream.synchronize()
+        assert torch.equal(device.cpu(), segment.data)
+        segment.wait_for_ranks(timeout=5)
+    finally:
+        mapped.close()  # unregisters
+        segment.close()
+    assert not mapped.pinned
