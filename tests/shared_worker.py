@@ -58,7 +58,10 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     open(os.path.join(out, f"ready-{rank}"), "w").close()
     wait_for([os.path.join(out, f"ready-{r}") for r in range(world)])
+    with open("/proc/self/smaps_rollup", encoding="ascii") as fh:
+        process_pss = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("Pss:"))
     record = {"rank": rank, "share": store.share_stats(), "pss": store_pss_bytes(store), "bytes": store.ram_bytes,
+              "process_pss": process_pss, "store_ready_at": store.shared.ready_at if store.shared else None,
               "digest": digest.hexdigest(), "fetched": fetched.hexdigest(),
               "placement": store.placement, "quantized": store.quantized, "built_s": built_s, "ready_at": time.time()}
     open(os.path.join(out, f"measured-{rank}"), "w").close()

@@ -225,6 +225,7 @@ class SharedSegment:
         self.built = writable
         self.final = path
         self.pinned = False
+        self.ready_at = None if writable else time.time()  # published (builder) or mapped (other ranks)
         self._fd = fd
         self._map(writable)
 
@@ -289,6 +290,7 @@ class SharedSegment:
         self._remap_read_only()
         os.rename(self.path, self.final)
         self.path = self.final
+        self.ready_at = time.time()
 
     def _remap_read_only(self) -> None:
         # the writable mapping is unmapped when its last view goes (the tensors hold the mmap object;
