@@ -220,6 +220,7 @@ def test_a_segment_is_read_only_and_outlives_its_name(shm, monkeypatch):
     segment.close()
 
 
+@pytest.mark.cuda
 @requires_cuda
 def test_the_shared_pages_are_pinned_for_asynchronous_copies(shm, monkeypatch):
     import torch
