@@ -9,7 +9,7 @@ the layer cache is already one set of files per node.
 The ranks find each other through torchrun's environment (``accelerate launch`` runs torchrun's
 launcher, so it is the same): ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and the run's identity
 (``TORCHELASTIC_RUN_ID``, ``MASTER_ADDR``/``MASTER_PORT``, ``GROUP_RANK`` - the node -, the restart
-count), which names the file. No process group is needed, so it works before one exists and never
+count), which names the file with the store's key. No process group is needed, so it works before one exists and never
 blocks a collective.
 
 Life of a segment:
@@ -252,13 +252,13 @@ class SharedSegment:
         directory = shm_dir()
         os.makedirs(directory, exist_ok=True)
         remove_leftovers(directory)
-        final = os.path.join(directory, f"{PREFIX}{ranks.run}")
+        final = segment_path(ranks, key)
         for stale in (final, final + ".error"):
+            # a file of this run and store that is already there is not this build's: never reused as is
             owner = read_owner(stale)
             if owner is not None and owner != this_owner():
-                # same run identity, an owner that still runs (or another host's): never reused as is
-                logger.warning("deg_hf: replacing the shared layer store %s of pid %s.", stale, owner.get("pid"))
-                _unlink(stale)
+                logger.warning("deg_hf: replacing the shared layer store file %s of pid %s.", stale, owner.get("pid"))
+            _unlink(stale)
         header = {"key": key, "owner": this_owner(), "bytes": nbytes, "offsets": {str(k): v for k, v in offsets.items()},
                   "local_world_size": ranks.local_world_size, **extra}
         raw = json.dumps(header).encode()
@@ -322,14 +322,13 @@ class SharedSegment:
         """Building failed: remove the file and tell the waiting ranks why."""
         self.close()
         _unlink(self.path)
-        report_failure(self.ranks, exc)
+        report_failure(self.ranks, self.header["key"], exc)
 
     # -- other ranks
     @classmethod
     def attach(cls, ranks: NodeRanks, key: str, timeout: float) -> SharedSegment:
         """Map the node's store read-only once its builder has published it."""
-        directory = shm_dir()
-        final = os.path.join(directory, f"{PREFIX}{ranks.run}")
+        final = segment_path(ranks, key)
         since = _process_start_epoch() - 2.0  # files older than this process belong to an earlier run
         deadline = time.monotonic() + timeout
         while True:
@@ -427,10 +426,17 @@ class SharedSegment:
                 "segment": self.final if self.built else self.path, "bytes": self.nbytes, "pinned": self.pinned}
 
 
-def report_failure(ranks: NodeRanks, exc: BaseException) -> None:
+def segment_path(ranks: NodeRanks, key: str) -> str:
+    """The file of this run's store on this node: the run's identity and the store's key name it (two
+    stores in one run, a policy and a separate reference, are two files)."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return os.path.join(shm_dir(), f"{PREFIX}{ranks.run}-{digest}")
+
+
+def report_failure(ranks: NodeRanks, key: str, exc: BaseException) -> None:
     """Leave ``<name>.error`` with the builder's reason, which the node's waiting ranks raise."""
     directory = shm_dir()
-    error = os.path.join(directory, f"{PREFIX}{ranks.run}.error")
+    error = segment_path(ranks, key) + ".error"
     tmp = f"{error}.{os.getpid()}.tmp"
     try:
         os.makedirs(directory, exist_ok=True)

@@ -226,7 +226,7 @@ class WeightStore:
             self._check_host(tier, host_mem_gb, sizes, budget, cache, disk_free, on_disk)
         except BaseException as exc:
             if share is not None:  # the node's other ranks are waiting for this store: tell them why
-                shared.report_failure(share, exc)
+                shared.report_failure(share, self._share_key(), exc)
             raise
         if cache is not None and not on_disk and cache.missing_bytes():
             free = (disk_free or _disk_free)(cache.root)
@@ -253,7 +253,7 @@ class WeightStore:
             try:
                 segment = self._create_shared(share, budget)
             except BaseException as exc:
-                shared.report_failure(share, exc)
+                shared.report_failure(share, self._share_key(), exc)
                 raise
         if segment is None:
             self.flat: list[torch.Tensor | None] = [
