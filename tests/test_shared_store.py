@@ -241,3 +241,28 @@ def test_the_shared_pages_are_pinned_for_asynchronous_copies(shm, monkeypatch):
         mapped.close()  # unregisters
         segment.close()
     assert not mapped.pinned
+
+
+def test_stream_share_store_false_builds_this_ranks_own_store(monkeypatch, tmp_path):
+    """Under a launcher's environment (local rank 1 of 2) the setting turns sharing off: the store is
+    built here at once, with nobody to wait for; a value that is not a flag is refused by name."""
+    from deg_hf import assets
+    from deg_hf.config import SettingError, StreamConfig
+    from deg_hf.streaming.build import build_streamed_model
+
+    monkeypatch.delenv("DEG_HF_SHARE_STORE", raising=False)
+    for name, value in {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "1", "DEG_HF_SHM_DIR": str(tmp_path),
+                        "DEG_HF_SHARE_TIMEOUT": "0.5"}.items():
+        monkeypatch.setenv(name, value)
+    _, runtime = build_streamed_model(assets.tiny_model_path(), device="cpu", progress=False, share_store=False)
+    try:
+        assert runtime.stats()["store_shared"] == {"shared": False, "ranks": 1}
+    finally:
+        runtime.close()
+    # the control: shared, rank 1 waits for a builder that never comes and says so
+    from deg_hf.streaming.shared import SharedStoreError
+
+    with pytest.raises(SharedStoreError, match="waited 0 s for local rank 0"):
+        build_streamed_model(assets.tiny_model_path(), device="cpu", progress=False)
+    with pytest.raises(SettingError, match="stream_share_store"):
+        StreamConfig(stream_share_store="sometimes")
