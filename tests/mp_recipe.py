@@ -38,6 +38,7 @@ def main() -> None:
             if path.startswith(output_dir + os.sep) or path == output_dir:
                 writes.append(f"{event} {os.path.relpath(path, output_dir)}")
 
+    from deg_hf.streaming import store
     from deg_hf.trainers.dpo import StreamedDPOTrainer  # noqa: F401  (the recipe's trainer classes)
     from deg_hf.trainers.mixin import StreamingSetupMixin
 
@@ -79,7 +80,8 @@ def main() -> None:
     record = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")), "writes": writes,
               "global_step": trainer.state.global_step, "wrapper": type(trainer.model_wrapped).__name__,
               "counters": trainer.deg_counters,
-              "share": trainer.stream_runtime.store.share_stats() if trainer.stream_runtime is not None else None}
+              "share": trainer.stream_runtime.store.share_stats() if trainer.stream_runtime is not None else None,
+              "stores_constructed": store.CONSTRUCTED}
     ignored = getattr(trainer.model_wrapped, "parameters_to_ignore", None)
     if ignored is not None:  # what DistributedDataParallel broadcasts and all-reduces
         module = trainer.model_wrapped.module

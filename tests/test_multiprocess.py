@@ -238,6 +238,7 @@ def test_the_local_ranks_share_one_store(runs):
     _, out = runs
     output_dir, ranks, _, left = out["two"]
     assert ranks[0]["share"]["role"] == "built" and ranks[1]["share"]["role"] == "attached"
+    assert ranks[0]["stores_constructed"] == ranks[1]["stores_constructed"] == 1  # rank 1's maps rank 0's
     assert ranks[0]["share"]["segment"] == ranks[1]["share"]["segment"]
     assert all(ranks[r]["share"]["shared"] and ranks[r]["share"]["ranks"] == 2 for r in (0, 1))
     assert ranks[0]["share"]["bytes"] > 0
@@ -274,6 +275,7 @@ def test_two_nodes_each_build_their_store_and_match_one_process(runs):
         assert ranks[r]["world_size"] == 2 and ranks[r]["global_step"] == STEPS
         assert ranks[r]["wrapper"] == "DistributedDataParallel"
         assert ranks[r]["share"] == {"shared": False, "ranks": 1}  # its own store, built once on its node
+        assert ranks[r]["stores_constructed"] == 1
     for name in one:
         assert torch.equal(ranks[0]["adapter"][name], ranks[1]["adapter"][name]), name
         torch.testing.assert_close(ranks[0]["adapter"][name], one[name], rtol=1e-5, atol=1e-7, msg=name)
