@@ -52,7 +52,11 @@ _MAGIC = b"DEGHFST1"
 _PAGE = mmap.PAGESIZE
 #: seconds a rank waits for its node's builder (a 70B base quantized on the host takes many minutes)
 DEFAULT_TIMEOUT_S = 3 * 3600.0
-_POLL_S = 0.005
+_POLL_S = (0.005, 0.05)  # first and longest pause between looks at the files: ready within ~50 ms
+
+
+def _pause(waited: float) -> None:
+    time.sleep(min(_POLL_S[1], max(_POLL_S[0], waited / 20)))
 
 
 class SharedStoreError(RuntimeError):
@@ -302,7 +306,8 @@ class SharedSegment:
         """Wait until every other local rank has mapped the file, then unlink its name: the memory
         stays while any rank maps it and is freed with the last."""
         markers = [f"{self.final}.attached-{r}" for r in range(1, self.ranks.local_world_size)]
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         try:
             while not all(os.path.exists(m) for m in markers):
                 if time.monotonic() > deadline:
@@ -313,7 +318,7 @@ class SharedSegment:
                         "DEG_HF_SHARE_TIMEOUT (seconds), or set stream_share_store=False (DEG_HF_SHARE_STORE=0) "
                         "for one store per rank."
                     )
-                time.sleep(_POLL_S)
+                _pause(time.monotonic() - start)
         finally:
             for path in (self.final, *markers):
                 _unlink(path)
@@ -330,7 +335,8 @@ class SharedSegment:
         """Map the node's store read-only once its builder has published it."""
         final = segment_path(ranks, key)
         since = _process_start_epoch() - 2.0  # files older than this process belong to an earlier run
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         while True:
             error = _fresh_error(final + ".error", since)
             if error is not None:
@@ -352,7 +358,7 @@ class SharedSegment:
                     "quantizing?), raise DEG_HF_SHARE_TIMEOUT (seconds), or set stream_share_store=False "
                     "(DEG_HF_SHARE_STORE=0) for one store per rank."
                 )
-            time.sleep(_POLL_S)
+            _pause(time.monotonic() - start)
 
     @classmethod
     def _try_attach(cls, final: str, ranks: NodeRanks, key: str) -> SharedSegment | None:
