@@ -259,6 +259,11 @@ def test_a_rank_that_raises_mid_step_stops_both_and_leaves_no_store(runs):
     assert proc.returncode != 0
     assert "rank 1 fails in step 2 (test)" in proc.stderr
     assert ranks == {}  # neither rank finished: rank 0 was stopped by torchrun while waiting on rank 1
+    # torchrun's report: rank 1 failed (exit code 1), rank 0 was terminated (SIGTERM), both non-zero
+    import re
+
+    codes = dict(re.findall(r"rank\s*:\s*(\d) \(local_rank: \d\)\s*\n\s*exitcode\s*:\s*(-?\d+)", proc.stderr))
+    assert sorted(codes) == ["0", "1"] and all(int(c) != 0 for c in codes.values()), proc.stderr[-3000:]
     assert left == []  # the shared store's name went at setup; its memory went with the processes
 
 
