@@ -490,21 +490,6 @@ def _unlink(path: str) -> None:
         pass
 
 
-def mapping_pss_bytes(path: str, pid: int | str = "self") -> int:
-    """Proportional set size of the mappings of ``path`` in a process (from ``/proc/<pid>/smaps``;
-    an unlinked file shows as ``path (deleted)``). 0 when not mapped."""
-    total, inside = 0, False
-    with open(f"/proc/{pid}/smaps", encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            first = line.split(None, 1)[0]
-            if "-" in first and not first.endswith(":"):  # a mapping's first line
-                name = line.split(None, 5)[5].strip() if len(line.split(None, 5)) > 5 else ""
-                inside = name == path or name == f"{path} (deleted)"
-            elif inside and first == "Pss:":
-                total += int(line.split()[1]) * 1024
-    return total
-
-
 def store_pss_bytes(store, pid: int | str = "self") -> int:
     """Proportional set size of a store's RAM blocks in a process, from ``/proc/<pid>/smaps``: each
     mapping's Pss, weighted by the share of the mapping the blocks cover. Exact for a shared store
