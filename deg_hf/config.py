@@ -70,6 +70,12 @@ class StreamConfig:
                   "sweep by a background loader) or 'auto' (as many layers in RAM as host_mem_gb holds, the "
                   "rest from disk)."},
     )
+    stream_share_store: bool = field(
+        default=True,
+        metadata={"help": "With several processes per node (torchrun, accelerate launch), local rank 0 builds the "
+                  "layer store once into shared memory (/dev/shm) and the node's other ranks map it read-only. "
+                  "False: every rank builds its own store (DEG_HF_SHARE_STORE=0 does the same)."},
+    )
     host_mem_gb: float | None = field(
         default=None,
         metadata={"help": "Host-memory budget in GB for the layer store. None: the available memory less a "
@@ -202,6 +208,7 @@ _RULES = {
     "stream_cache_dir": lambda v: None if v is None else _path(
         "stream_cache_dir", v, "where the flat copy of the layer weights is kept", kind="dir"),
     "stream_tier": lambda v: _choice("stream_tier", v, STREAM_TIERS, "where the layer store lives"),
+    "stream_share_store": lambda v: _flag("stream_share_store", v, "one layer store per node, shared by its ranks"),
     "host_mem_gb": lambda v: None if v is None else _real(
         "host_mem_gb", v, "host-memory budget in GiB for the layer store, or None for the available memory",
         low=0, low_open=True),

@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE=1
 # the memory model on this GPU: coefficients fitted to the allocator's counters, and how the CPU fit does here
 timeout 300 "$py" scripts/calibrate_memory.py --device cuda --quick --out "$out/coef_cuda.json" 2>"$out/calibrate.err" \
   | tail -1 > "$out/calibrate_cuda.json"
-for bench in stream reference prefix quant disk; do
+for bench in stream reference prefix quant disk ranks; do
   timeout 300 "$py" scripts/bench.py "$bench" 2>"$out/bench_$bench.err" | tail -1 > "$out/bench_$bench.json"
 done
 cat "$out"/pytest_cuda.txt "$out"/bench_*.json

@@ -38,6 +38,7 @@ def main() -> None:
             if path.startswith(output_dir + os.sep) or path == output_dir:
                 writes.append(f"{event} {os.path.relpath(path, output_dir)}")
 
+    from deg_hf.streaming import store
     from deg_hf.trainers.dpo import StreamedDPOTrainer  # noqa: F401  (the recipe's trainer classes)
     from deg_hf.trainers.mixin import StreamingSetupMixin
 
@@ -54,6 +55,17 @@ def main() -> None:
         from deg_hf.memory.split_retry import SplitRetryEngine
 
         SplitRetryEngine._plan = lambda self, inputs, active, lengths=None: [[i] for i in active]
+    raise_at = os.environ.get("DEG_TEST_RANK1_RAISES_AT_STEP")
+    if raise_at and rank == 1:
+        # this rank fails inside a training step (after the store is shared and training has begun)
+        step = StreamingSetupMixin.training_step
+
+        def failing_step(self, *args, **kwargs):
+            if self.state.global_step + 1 == int(raise_at):
+                raise RuntimeError(f"rank 1 fails in step {raise_at} (test)")
+            return step(self, *args, **kwargs)
+
+        StreamingSetupMixin.training_step = failing_step
     sys.addaudithook(audit)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.argv = [os.path.join(repo, "recipes", f"{recipe}.py"), *argv]
@@ -67,7 +79,9 @@ def main() -> None:
     save_file(adapter, os.path.join(record_dir, f"rank{rank}.safetensors"))
     record = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")), "writes": writes,
               "global_step": trainer.state.global_step, "wrapper": type(trainer.model_wrapped).__name__,
-              "counters": trainer.deg_counters}
+              "counters": trainer.deg_counters,
+              "share": trainer.stream_runtime.store.share_stats() if trainer.stream_runtime is not None else None,
+              "stores_constructed": store.CONSTRUCTED}
     ignored = getattr(trainer.model_wrapped, "parameters_to_ignore", None)
     if ignored is not None:  # what DistributedDataParallel broadcasts and all-reduces
         module = trainer.model_wrapped.module

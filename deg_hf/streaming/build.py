@@ -20,6 +20,7 @@ from deg_hf.streaming.host import host_budget
 from deg_hf.streaming.layer import attach, store_name
 from deg_hf.streaming.quant import QuantSpec, bnb_config_dict, method_of
 from deg_hf.streaming.runtime import StreamRuntime
+from deg_hf.streaming.shared import node_ranks
 from deg_hf.streaming.sources import ModuleSource
 from deg_hf.streaming.store import StreamingError, WeightStore, resolve_checkpoint, safetensors_files
 
@@ -80,17 +81,21 @@ def build_streamed_model(
     quantization: QuantSpec | None = None,
     tier: str = "auto",
     host_mem_gb: float | None = None,
+    share_store: bool = True,
 ):
     """Return ``(model, runtime)``: a causal LM whose decoder layers stream from host memory.
 
     With ``quantization`` the decoder layers' Linear weights are stored 4-bit (as transformers'
     bitsandbytes integration would quantize them); a checkpoint saved 4-bit by transformers streams
     4-bit as it is, whatever ``quantization`` says. ``tier`` and ``host_mem_gb`` place the layer blocks
-    in host RAM or on disk (:class:`~deg_hf.streaming.store.WeightStore`)."""
+    in host RAM or on disk (:class:`~deg_hf.streaming.store.WeightStore`). With ``share_store`` and
+    several processes per node (torchrun, ``accelerate launch``) the node's ranks share one store in
+    shared memory (:mod:`deg_hf.streaming.shared`)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     check_setting("stream_buffers", stream_buffers)
+    check_setting("stream_share_store", share_store)
     local = resolve_checkpoint(name_or_path, revision)
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cpu":
@@ -118,6 +123,7 @@ def build_streamed_model(
     store = WeightStore(
         local, layer_keys, dtype, quant=quantization, quantize=quantize, cache_dir=cache_dir, progress=progress,
         quantize_device=device if device.type == "cuda" else None, tier=tier, host_mem_gb=host_mem_gb,
+        share=node_ranks() if share_store else None,
     )
     if saved_quant:
         model._deg_saved_quantization = saved_quant

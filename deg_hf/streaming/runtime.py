@@ -77,6 +77,8 @@ class StreamRuntime:
             "store_bytes": self.store.nbytes if not self.closed else 0,
             "store_unquantized_bytes": self.store.unquantized_bytes,
             "store_pinned": self.store.pinned,
+            # one store per node shared by its local ranks (how many), or this rank's own
+            "store_shared": self.store.share_stats(),
             "quantization": self.store.quantization(),
             "buffer_bytes": buffer_bytes,
             "compute_buffer_bytes": compute_bytes,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deg_hf.streaming import host, tiers
+from deg_hf.streaming import host, shared, tiers
 from deg_hf.streaming import quant as q
 from deg_hf.streaming.cache import LayerCache, default_cache_root
 from deg_hf.streaming.sources import CheckpointSource, fingerprint, safetensors_files
@@ -155,6 +155,10 @@ class WeightStore:
     (``cache_dir``, else under the Hugging Face cache home) and are read each sweep by a loader
     thread. Before any weight is read, a store that fits neither the RAM budget nor the cache
     directory's free space is refused with the figures.
+
+    With ``share`` (this process's :class:`~deg_hf.streaming.shared.NodeRanks` in a run with several
+    local ranks) the node holds one store: local rank 0 builds the RAM blocks into a shared-memory
+    file and the other local ranks map it read-only, taking its placement (:mod:`deg_hf.streaming.shared`).
     """
 
     def __init__(
@@ -173,6 +177,7 @@ class WeightStore:
         host_mem_gb: float | None = None,
         disk_free=None,
         ring: int = tiers.DEFAULT_RING,
+        share: shared.NodeRanks | None = None,
     ):
         global CONSTRUCTED
         CONSTRUCTED += 1
@@ -202,6 +207,10 @@ class WeightStore:
             q.require_bitsandbytes()
         self._qdevice = torch.device(quantize_device) if quantize_device is not None else torch.device("cpu")
         want_pin = torch.cuda.is_available() if pin is None else pin
+        self.shared: shared.SharedSegment | None = None
+        if share is not None and not share.builder:
+            self._attach_shared(share, want_pin, ring)
+            return
 
         # where each block lives, decided (and refused) before any weight is read
         sizes = [lay.nbytes for lay in self.layouts]
@@ -213,7 +222,12 @@ class WeightStore:
         if cache_dir or on_disk:
             cache = LayerCache(cache_dir or default_cache_root(), self._cache_key(), sizes)
         self.cache = cache
-        self._check_host(tier, host_mem_gb, sizes, budget, cache, disk_free, on_disk)
+        try:
+            self._check_host(tier, host_mem_gb, sizes, budget, cache, disk_free, on_disk)
+        except BaseException as exc:
+            if share is not None:  # the node's other ranks are waiting for this store: tell them why
+                shared.report_failure(share, self._share_key(), exc)
+            raise
         if cache is not None and not on_disk and cache.missing_bytes():
             free = (disk_free or _disk_free)(cache.root)
             if free < cache.missing_bytes():  # a convenience cache only: the run does not need it
@@ -234,22 +248,90 @@ class WeightStore:
                 host.describe_placement(self.placement),
             )
 
-        self.flat: list[torch.Tensor | None] = [
-            self._allocate(lay.nbytes, want_pin) if where == "ram" else None
-            for lay, where in zip(self.layouts, self.placement)
-        ]
-        scratch = torch.empty(max((sizes[i] for i in on_disk), default=0), dtype=torch.uint8)
-        stale = self._read_back(cache, scratch) if cache is not None else list(range(self.n_layers))
-        if stale:
-            if cache is not None:
-                cache.begin()
-            self._fill(stale, cache, scratch, progress)
-            if cache is not None:
-                cache.finish()
-        del scratch
+        segment = None
+        if share is not None:
+            try:
+                segment = self._create_shared(share, budget)
+            except BaseException as exc:
+                shared.report_failure(share, self._share_key(), exc)
+                raise
+        if segment is None:
+            self.flat: list[torch.Tensor | None] = [
+                self._allocate(lay.nbytes, want_pin) if where == "ram" else None
+                for lay, where in zip(self.layouts, self.placement)
+            ]
+        try:
+            scratch = torch.empty(max((sizes[i] for i in on_disk), default=0), dtype=torch.uint8)
+            stale = self._read_back(cache, scratch) if cache is not None else list(range(self.n_layers))
+            if stale:
+                if cache is not None:
+                    cache.begin()
+                self._fill(stale, cache, scratch, progress)
+                if cache is not None:
+                    cache.finish()
+            del scratch
+            if segment is not None:
+                segment.publish()  # remapped read-only: the blocks are views of the new mapping
+                self.flat = self._shared_blocks(segment)
+                self.pinned = segment.pin() if want_pin else False
+                segment.wait_for_ranks(shared.share_timeout())
+        except BaseException as exc:
+            if segment is not None:
+                self.flat = [None] * self.n_layers
+                segment.fail(exc)
+            raise
         self._release_source()
         if on_disk:
             self.disk = tiers.DiskTier(cache, on_disk, ring=ring, pin=want_pin)
+
+    # -- the node-shared store
+    def _share_key(self) -> str:
+        """What the ranks must agree on to share: the cache key and every block's size."""
+        import hashlib
+
+        sizes = ",".join(str(lay.nbytes) for lay in self.layouts)
+        return f"{self._cache_key()}-{hashlib.sha256(sizes.encode()).hexdigest()[:12]}"
+
+    def _create_shared(self, ranks: shared.NodeRanks, budget: int) -> shared.SharedSegment:
+        """The builder's segment, sized for the RAM-placed blocks; ``self.flat`` are views of it."""
+        offsets, total = {}, 0
+        for i, (lay, where) in enumerate(zip(self.layouts, self.placement)):
+            if where == "ram":
+                offsets[i] = total
+                total += (lay.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        extra = {"placement": self.placement, "host_budget": budget,
+                 "cache_root": self.cache.root if self.cache is not None else None}
+        segment = shared.SharedSegment.create(ranks, self._share_key(), offsets, total, extra)
+        self.shared = segment
+        self.flat = self._shared_blocks(segment)
+        return segment
+
+    def _shared_blocks(self, segment: shared.SharedSegment) -> list[torch.Tensor | None]:
+        return [segment.block(i, lay.nbytes) if where == "ram" else None
+                for i, (lay, where) in enumerate(zip(self.layouts, self.placement))]
+
+    def _attach_shared(self, ranks: shared.NodeRanks, want_pin: bool, ring: int) -> None:
+        """Map the store local rank 0 built, read-only; its placement and cache are the builder's."""
+        segment = shared.SharedSegment.attach(ranks, self._share_key(), shared.share_timeout())
+        self.shared = segment
+        header = segment.header
+        self.placement = list(header["placement"])
+        self.host_budget = int(header["host_budget"])
+        sizes = [lay.nbytes for lay in self.layouts]
+        root = header.get("cache_root")
+        self.cache = LayerCache(root, self._cache_key(), sizes) if root else None
+        self.flat = self._shared_blocks(segment)
+        self.pinned = segment.pin() if want_pin else False
+        self._release_source()
+        on_disk = [i for i, where in enumerate(self.placement) if where == "disk"]
+        if on_disk:
+            self.disk = tiers.DiskTier(self.cache, on_disk, ring=ring, pin=want_pin)
+
+    def share_stats(self) -> dict:
+        """Whether this node's ranks share the store (and by how many), from this rank's side."""
+        if self.shared is None:
+            return {"shared": False, "ranks": 1}
+        return self.shared.stats()
 
     # -- construction helpers
     def _layout(self, keys: dict[str, str], quantize: set[str]) -> LayerLayout:
@@ -468,6 +550,8 @@ class WeightStore:
         if self.disk is not None:
             self.disk.close()
         self.flat = [None] * len(self.layouts)
+        if self.shared is not None:
+            self.shared.close()
 
 
 def _disk_free(path: str) -> int:

@@ -223,6 +223,7 @@ class StreamingSetupMixin:
             quantization=spec,
             tier=settings.stream_tier,
             host_mem_gb=settings.host_mem_gb,
+            share_store=settings.stream_share_store,
         )
         self.stream_runtime = runtime
         compute = quant.compute_dtype_of(quantization_config)

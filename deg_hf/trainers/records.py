@@ -169,6 +169,8 @@ def stream_section(trainer) -> dict:
         "enabled": True,
         **settings,
         "store_fingerprint": getattr(store, "fingerprint", None),
+        # the node's ranks map one store built by local rank 0 ({"shared": True, "ranks": N, ...})
+        "store_shared": store.share_stats() if store is not None else None,
         # the 4-bit storage (method, type, blocksize, double quant, compute dtype); None at the training dtype
         "quantization": store.quantization() if store is not None else None,
         "device": str(getattr(runtime, "device", "")) or None,
