@@ -450,7 +450,7 @@ def test_hub_base_is_hashed_from_the_cached_config_and_its_snapshot_commit(tmp_p
     import huggingface_hub
 
     from deg_hf.checkpoint import config_sha256
-    from deg_hf.trainers.records import base_model_section
+    from deg_hf.trainers.record_sections import base_model_section
 
     commit = "0123456789abcdef0123456789abcdef01234567"
     snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / commit
