@@ -12,7 +12,7 @@ HEAVY = ("torch", "transformers", "peft", "trl", "accelerate", "datasets")
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "deg_hf"
 LIGHT_MODULES = ["__init__.py", "config.py", "trainers/mixin.py", "memory/planner.py", "memory/coef.py", "memory/dims.py", "memory/static.py", "checkpoint/__init__.py",
                  "checkpoint/redact.py", "checkpoint/build.py", "checkpoint/io.py", "checkpoint/summary.py",
-                 "checkpoint/loading.py", "checkpoint/atomic.py", "trainers/records.py", "trainers/record_sections.py", "streaming/checks.py", "streaming/host.py", "notices.py",
+                 "checkpoint/loading.py", "checkpoint/atomic.py", "trainers/records.py", "trainers/record_sections.py", "trainers/planning.py", "streaming/checks.py", "streaming/host.py", "notices.py",
                  "hub/__init__.py", "hub/card.py", "hub/upload.py", "hub/push.py",
                  "cli.py", "plan_cli.py",
                  "assets/__init__.py", "memory/preflight.py"]
