@@ -38,3 +38,19 @@ def median_times(arms: dict, repeats: int) -> dict:
             fn()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def train_step(model, ids):
+    """One training step's work on ``ids`` (forward with labels, backward, gradients dropped), as a
+    callable for :func:`median_times`; waits for the device on CUDA so the time is the step's."""
+
+    def run():
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        if ids.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+    return run

@@ -6,7 +6,7 @@ import os
 import tempfile
 import time
 
-from benches.common import lora_config, median_times, tiny_checkpoint
+from benches.common import lora_config, median_times, tiny_checkpoint, train_step
 
 
 def _plain_read_gb_per_s(paths: list[str]) -> float:
@@ -58,12 +58,7 @@ def run(quick: bool) -> dict:
         model = get_peft_model(model, lora_config())
         materialize_adapters(model, "cpu")
 
-        def run(model=model):
-            model.train()
-            model(input_ids=ids, labels=ids).loss.backward()
-            model.zero_grad(set_to_none=True)
-
-        arms[name], runtimes[name] = run, runtime
+        arms[name], runtimes[name] = train_step(model, ids), runtime
     for runtime in runtimes.values():
         runtime.reset_stats()
     repeats = 2 if quick else 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tempfile
 
-from benches.common import lora_config, median_times, tiny_checkpoint
+from benches.common import lora_config, median_times, tiny_checkpoint, train_step
 
 
 def run(quick: bool) -> dict:
@@ -31,14 +31,7 @@ def run(quick: bool) -> dict:
         model = get_peft_model(model, lora_config())
         materialize_adapters(model, device)
 
-        def run():
-            model.train()
-            model(input_ids=ids, labels=ids).loss.backward()
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-
-        return run, runtime
+        return train_step(model, ids), runtime
 
     # bytes: one bf16 training step with each store
     moved, store = {}, {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 import time
 
-from benches.common import lora_config, median_times, tiny_checkpoint
+from benches.common import lora_config, median_times, tiny_checkpoint, train_step
 
 
 def run(quick: bool) -> dict:
@@ -29,13 +29,7 @@ def run(quick: bool) -> dict:
     ids = torch.randint(3, 1000, (batch, seq), generator=gen).to(device)
 
     def step(model):
-        def run():
-            model.train()
-            model(input_ids=ids, labels=ids).loss.backward()
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-        return run
+        return train_step(model, ids)
 
     runtime.reset_stats()
     times = median_times({"streamed": step(streamed), "resident_ckpt": step(resident_ckpt),
