@@ -33,6 +33,25 @@ def _plain_read_gb_per_s(paths: list[str]) -> float:
     return total / elapsed / 1e9
 
 
+def _loader_alone_gb_per_s(disk, paths: list[str]) -> float:
+    """One cold sweep of every disk layer through the loader (acquire, release, the next two read
+    ahead), nothing else running: bytes over wall time."""
+    from deg_hf.streaming.cache import drop_page_cache
+
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            drop_page_cache(fd)
+        finally:
+            os.close(fd)
+    order = sorted(disk.layers)
+    t0 = time.perf_counter()
+    for k, i in enumerate(order):
+        disk.acquire(i, order[k + 1 : k + 3])
+        disk.release(i)
+    return sum(disk.sizes.values()) / (time.perf_counter() - t0) / 1e9
+
+
 def run(quick: bool) -> dict:
     """Training steps with the store in RAM, on disk, and half and half (cold cache: the loader drops
     the pages behind each read), and a plain cold read of the same cache files. The shape is chosen so
@@ -64,8 +83,9 @@ def run(quick: bool) -> dict:
     repeats = 2 if quick else 4
     times = median_times(arms, repeats)
     files = [runtimes["disk"].store.cache.layer_path(i) for i in range(layers)]
-    plain = _plain_read_gb_per_s(files)
     disk = runtimes["disk"].stats()["tiers"]["disk"]
+    alone = _loader_alone_gb_per_s(runtimes["disk"].store.disk, files)
+    plain = _plain_read_gb_per_s(files)
     mixed = runtimes["mixed"].stats()["tiers"]
     steps = repeats + 1
     per_layer_read_s = disk["read_s"] / max(disk["reads"], 1)
@@ -76,6 +96,9 @@ def run(quick: bool) -> dict:
         "plain_read_gb_per_s": round(plain, 3),
         "loader_read_gb_per_s": disk["read_gb_per_s"],
         "loader_share_of_plain": round(disk["read_gb_per_s"] / plain, 3),
+        # the loader with nothing computing beside it: its own cost, apart from sharing the cores
+        "loader_alone_gb_per_s": round(alone, 3),
+        "loader_alone_share_of_plain": round(alone / plain, 3),
         "disk_bytes_per_step": int(disk["bytes_read"] / steps),
         "loader_wait_s_per_step": round(disk["wait_s"] / steps, 4),
         "read_s_per_layer": round(per_layer_read_s, 4),
