@@ -120,12 +120,12 @@ def saved_quantization(config: dict) -> dict | None:
 def _host_budget(host_mem: float | None) -> tuple[int, str]:
     """Bytes the store may use, and where that came from: ``--host-mem`` GiB less the margin the
     trainers keep (10%, at least 2 GiB), or this machine's available memory less it."""
-    from deg_hf.streaming.host import host_budget
+    from deg_hf.streaming.host import budget_after_margin, host_budget
 
     if host_mem is None:
         return host_budget(None), "this machine's available memory, less a margin of 10%, at least 2 GiB"
     total = int(host_mem * _GIB)
-    return max(0, total - max(2 * _GIB, total // 10)), f"--host-mem {host_mem:g} GiB, less a margin of 10%, at least 2 GiB"
+    return budget_after_margin(total, total), f"--host-mem {host_mem:g} GiB, less a margin of 10%, at least 2 GiB"
 
 
 def _check_inputs(task: str, batch: Any, max_length: Any, vram: Any, lora_r: Any) -> None:

@@ -29,13 +29,18 @@ def total_host_bytes() -> int:
         return int(psutil.virtual_memory().total)
 
 
+def budget_after_margin(available: int, total: int) -> int:
+    """``available`` bytes less the margin kept for the OS, the dataloader workers and (on CPU)
+    activations: 10% of the machine's ``total``, at least 2 GiB."""
+    return max(0, available - max(2 * 2**30, total // 10))
+
+
 def host_budget(host_mem_gb: float | None) -> int:
-    """Bytes of host memory the store may use: ``host_mem_gb``, or the available memory less a margin
-    for the OS, the dataloader workers and (on CPU) activations: 10% of the machine, at least 2 GiB."""
+    """Bytes of host memory the store may use: ``host_mem_gb``, or the available memory less the
+    margin (:func:`budget_after_margin`)."""
     if host_mem_gb is not None:
         return int(host_mem_gb * 2**30)
-    margin = max(2 * 2**30, total_host_bytes() // 10)
-    return max(0, available_host_bytes() - margin)
+    return budget_after_margin(available_host_bytes(), total_host_bytes())
 
 
 def plan_placement(tier: str, layer_bytes: list[int], budget: int) -> list[str]:
